@@ -1,0 +1,267 @@
+"""``tooloop``: thin commands over the client and the run store.
+
+stdout carries results only (one JSON document with ``--json``); logs and
+progress go to stderr. Exit codes: 0 success, 1 the run ended on a reserved
+exit (or validation found errors), 2 bad usage or a spec refused.
+Control and status commands import neither litellm nor the Celery worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from orchestrator.models import RunResult
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="tooloop: durable, distributed, bounded LLM tool-calling loops on Celery + Redis.",
+)
+
+RunArg = Annotated[str, typer.Argument(help="run id")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="one JSON document on stdout")]
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    _err(message)
+    raise typer.Exit(code)
+
+
+def _client() -> Any:
+    from orchestrator.client import Client
+
+    return Client()
+
+
+def _handle(run_id: str) -> Any:
+    try:
+        return _client().get(run_id)
+    except KeyError:
+        _fail(f"no run {run_id!r}", 2)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data) + "\n")
+
+
+def _summary(result: RunResult) -> str:
+    lines = [
+        f"run        {result.run_id}",
+        f"status     {result.status.value}" + (f" ({result.exit})" if result.exit else ""),
+        f"iterations {result.iterations}   tokens {result.tokens_used}   "
+        f"tool calls {len(result.tool_calls)}",
+    ]
+    if result.error:
+        lines.append(f"error      {result.error_type}: {result.error}")
+    if result.content:
+        lines.append(f"content    {result.content}")
+    return "\n".join(lines)
+
+
+def _exit_code(result: RunResult) -> int:
+    return 0 if result.succeeded else 1
+
+
+# -- runs ---------------------------------------------------------------------
+@app.command()
+def submit(
+    spec: Annotated[Path, typer.Argument(help="run spec, YAML or JSON")],
+    prompt: Annotated[str | None, typer.Option(help="replaces the spec's prompt")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="wait for the result")] = False,
+    as_json: JsonOpt = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait with --wait")] = 600,
+) -> None:
+    """Submit a run; print its id (or its result with --wait)."""
+    from orchestrator.client import load_spec
+    from orchestrator.validation import SpecError
+
+    try:
+        handle = _client().submit(load_spec(spec, prompt))
+    except SpecError as exc:
+        _fail(str(exc), 2)
+    if not wait:
+        if as_json:
+            _print_json({"run_id": handle.run_id, "status": handle.status().value})
+        else:
+            print(handle.run_id)
+        return
+    _err(f"run {handle.run_id} submitted; waiting")
+    try:
+        result = handle.wait(timeout=timeout)
+    except TimeoutError as exc:
+        _err(str(exc))
+        result = handle.result()
+        _print_json(result.model_dump(mode="json")) if as_json else print(_summary(result))
+        raise typer.Exit(1) from exc
+    _print_json(result.model_dump(mode="json")) if as_json else print(_summary(result))
+    raise typer.Exit(_exit_code(result))
+
+
+@app.command()
+def status(run_id: RunArg, as_json: JsonOpt = False) -> None:
+    """State of one run."""
+    result = _handle(run_id).result()
+    if as_json:
+        _print_json(result.model_dump(mode="json"))
+    else:
+        print(_summary(result))
+
+
+@app.command("list")
+def list_runs(
+    limit: Annotated[int, typer.Option(help="how many")] = 20,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's runs")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recent runs, newest first."""
+    rows = _client().list(limit, tenant)
+    if as_json:
+        _print_json(rows)
+        return
+    from orchestrator.views import runs_table
+
+    runs_table(rows)
+
+
+@app.command()
+def watch(run_id: RunArg) -> None:
+    """Live progress until the run ends (a finished run is replayed)."""
+    from orchestrator.views import watch_run
+
+    handle = _handle(run_id)
+    result = watch_run(handle)
+    raise typer.Exit(_exit_code(result) if result else 1)
+
+
+@app.command()
+def validate(spec: Annotated[Path, typer.Argument(help="run spec, YAML or JSON")]) -> None:
+    """Static checks of a spec; errors exit 1."""
+    from orchestrator.client import load_spec
+    from orchestrator.store import RunStore
+    from orchestrator.validation import SpecError, check_spec
+
+    try:
+        loaded = load_spec(spec)
+    except SpecError as exc:
+        _fail(str(exc), 1)
+    try:
+        store = RunStore.from_settings()
+        store.redis.ping()
+    except Exception as exc:  # offline validation still checks everything else
+        _err(f"warning: Redis unreachable ({exc}); tool names not checked")
+        store = None
+    report = check_spec(loaded, store)
+    for warning in report.warnings:
+        _err(f"warning: {warning}")
+    for error in report.errors:
+        _err(f"error: {error}")
+    if report.errors:
+        raise typer.Exit(1)
+    print(f"{spec}: ok")
+
+
+# -- control --------------------------------------------------------------------
+def _control(verdict: str, run_id: str, action: str) -> None:
+    if verdict == "missing":
+        _fail(f"no run {run_id!r}", 2)
+    if verdict == "ended":
+        _fail(f"run {run_id} has already ended", 1)
+    print(f"{action}: {run_id} ({verdict})")
+
+
+@app.command()
+def pause(run_id: RunArg) -> None:
+    """Park a run in Redis; nothing starts until resume."""
+    _control(_client().store.pause(run_id, by=_who()), run_id, "pause")
+
+
+@app.command()
+def resume(run_id: RunArg) -> None:
+    """Resume a paused run."""
+    _control(_client().resume(run_id, by=_who()), run_id, "resume")
+
+
+@app.command()
+def steer(run_id: RunArg, text: Annotated[str, typer.Argument(help="guidance")]) -> None:
+    """Queue guidance for the run's next turn."""
+    if not text.strip():
+        _fail("steer text must not be empty", 2)
+    _control(_client().store.steer(run_id, text, by=_who()), run_id, "steer")
+
+
+@app.command()
+def abort(
+    run_id: RunArg,
+    reason: Annotated[str, typer.Option(help="recorded in the run's error")] = "abort requested",
+) -> None:
+    """End a run now: status and exit `aborted`."""
+    _control(_client().store.abort(run_id, by=_who(), reason=reason), run_id, "abort")
+
+
+def _who() -> str:
+    return f"cli:{os.environ.get('USER', 'unknown')}@{socket.gethostname()}"
+
+
+# -- processes --------------------------------------------------------------------
+@app.command()
+def worker(
+    tools: Annotated[str | None, typer.Option("--tools", help="modules that register tools")] = None,
+    queues: Annotated[str, typer.Option("-Q", "--queues", help="turns, tools or both")] = "turns,tools",
+    concurrency: Annotated[int | None, typer.Option("-c", "--concurrency", help="slots per pool")] = None,
+    name: Annotated[str | None, typer.Option("-n", "--name", help="node name")] = None,
+    loglevel: Annotated[str, typer.Option("-l", "--loglevel")] = "info",
+) -> None:
+    """A Celery worker for turns and/or tools."""
+    from orchestrator.settings import get_settings
+    from orchestrator.keys import Keys
+    from worker import launcher
+
+    try:
+        plans = launcher.plan(Keys(get_settings().key_prefix), queues.split(","), concurrency)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def flower(ctx: typer.Context) -> None:
+    """Flower on this app; arguments pass through (--port=5555)."""
+    os.environ.setdefault("FLOWER_UNAUTHENTICATED_API", "true")
+    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", *ctx.args]
+    os.execv(sys.executable, argv)
+
+
+@app.command()
+def doctor(as_json: JsonOpt = False) -> None:
+    """Which sandbox layers, Redis, queues and workers are live."""
+    from orchestrator.doctor import diagnose, render
+
+    report = diagnose()
+    _print_json(report) if as_json else render(report)
+    raise typer.Exit(0 if report["redis"]["ok"] else 1)
+
+
+def main() -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        app()
+    except RedisConnectionError as exc:
+        _err(f"error: Redis unreachable at TOOLOOP_REDIS_URL: {exc}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The producer API: submit runs, follow them, control them, from any process."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.models import RunResult, RunSpec, Status
+from orchestrator.settings import Settings, get_settings
+from orchestrator.store import RunStore
+from orchestrator.validation import SpecError, check_spec, parse_spec_data
+
+
+class Client:
+    """``Client()`` reads its settings from the environment (``TOOLOOP_*``)."""
+
+    def __init__(self, settings: Settings | None = None, store: RunStore | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.store = store or RunStore.from_settings(self.settings)
+
+    def submit(self, spec: RunSpec | dict[str, Any], run_id: str | None = None) -> RunHandle:
+        """Validate, write and enqueue a run. A refused spec raises ``SpecError``,
+        and nothing is written or enqueued."""
+        from worker.app import enqueue_turn  # the Celery app: imported when first needed
+        from worker.steps import initial_messages
+
+        spec = spec if isinstance(spec, RunSpec) else parse_spec_data(spec)
+        report = check_spec(spec, self.store)
+        if report.errors:
+            raise SpecError(report.errors)
+        run_id = run_id or uuid.uuid4().hex
+        messages = initial_messages(spec, report.steering_docs, report.skill_docs)
+        self.store.create(run_id, report.stored_spec, messages)
+        enqueue_turn(run_id, 1)
+        return RunHandle(self, run_id)
+
+    def get(self, run_id: str) -> RunHandle:
+        if self.store.status(run_id) is None:
+            raise KeyError(f"no run {run_id!r}")
+        return RunHandle(self, run_id)
+
+    def list(self, limit: int = 20, tenant: str | None = None) -> list[dict[str, str]]:
+        return self.store.list_runs(limit, tenant)
+
+    def resume(self, run_id: str, by: str = "operator") -> str:
+        """Resume a paused run: enqueue the step it was parked on."""
+        from worker.app import enqueue_call, enqueue_turn
+
+        kind, items = self.store.resume(run_id, by)
+        if kind == "turn":
+            enqueue_turn(run_id, items[0])
+        for payload in items if kind == "calls" else []:
+            enqueue_call(payload)
+        return "ok" if kind in ("turn", "calls", "none") else kind
+
+
+class RunHandle:
+    """One run, by id: its state, its result, its events, its controls."""
+
+    def __init__(self, client: Client, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.run_id!r})"
+
+    @property
+    def _store(self) -> RunStore:
+        return self.client.store
+
+    def status(self) -> Status | None:
+        return self._store.status(self.run_id)
+
+    def result(self) -> RunResult | None:
+        return self._store.result(self.run_id)
+
+    def wait(self, timeout: float | None = 300) -> RunResult:
+        """Block until the run ends (no polling: follows its event stream)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self._store.follow_events(self.run_id, timeout=timeout):
+            pass
+        while True:  # the outcome event and the final state are written atomically
+            result = self.result()
+            if result is None:
+                raise KeyError(f"no run {self.run_id!r}")
+            if result.status.ended:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run_id} still {result.status} after {timeout}s")
+            for _ in self._store.follow_events(self.run_id, timeout=_left(deadline)):
+                pass
+
+    def events(self, timeout: float | None = None) -> Iterator[dict[str, str]]:
+        """Progress events from the start, live, until the run's outcome."""
+        for event_id, event in self._store.follow_events(self.run_id, timeout=timeout):
+            yield {"id": event_id, **event}
+
+    def pause(self, by: str = "operator") -> str:
+        return self._store.pause(self.run_id, by)
+
+    def resume(self, by: str = "operator") -> str:
+        return self.client.resume(self.run_id, by)
+
+    def steer(self, text: str, by: str = "operator") -> str:
+        return self._store.steer(self.run_id, text, by)
+
+    def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
+        return self._store.abort(self.run_id, by, reason)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def load_spec(path: str | Path, prompt: str | None = None) -> RunSpec:
+    """A spec from a YAML or JSON file; ``prompt`` replaces the file's prompt."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError([f"{path}: {exc}"]) from exc
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}: a spec is a mapping of fields"])
+    if prompt is not None:
+        data["prompt"] = prompt
+    return parse_spec_data(data)

@@ -1,0 +1,65 @@
+"""``tooloop doctor``: what is live — Redis, queues, workers, sandbox layers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.settings import get_settings
+from orchestrator.store import RunStore
+
+
+def diagnose() -> dict[str, Any]:
+    settings = get_settings()
+    store = RunStore.from_settings(settings)
+    report: dict[str, Any] = {"redis": {"url": settings.redis_url, "ok": False}}
+    try:
+        info = store.redis.info()
+        config = store.redis.config_get("maxmemory-policy")
+    except Exception as exc:
+        report["redis"]["error"] = str(exc)
+        return report
+    report["redis"].update(
+        ok=True,
+        version=info.get("redis_version"),
+        aof=bool(info.get("aof_enabled")),
+        maxmemory_policy=config.get("maxmemory-policy"),
+    )
+    keys = store.keys
+    report["queues"] = {
+        q: store.redis.llen(keys.broker_prefix + q) for q in (keys.turn_queue, keys.tool_queue)
+    }
+    now = time.time()
+    report["workers"] = {
+        name: {
+            "queues": w.get("queues", []),
+            "tools": len(w.get("tools", [])),
+            "sandbox": w.get("sandbox", {}),
+            "seen_s_ago": round(now - w.get("seen", now), 1),
+        }
+        for name, w in store.live_workers().items()
+    }
+    report["leases_due"] = store.redis.zcount(keys.leases(), "-inf", int(now * 1000))
+    return report
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    redis = report["redis"]
+    if not redis["ok"]:
+        console.print(f"[red]Redis {redis['url']}: {redis.get('error')}[/red]")
+        return
+    policy_ok = redis["maxmemory_policy"] == "noeviction"
+    console.print(f"Redis {redis['url']} v{redis['version']}  aof={redis['aof']}  "
+                  f"maxmemory-policy={redis['maxmemory_policy']}"
+                  + ("" if policy_ok else "  [yellow](use noeviction)[/yellow]"))  # fmt: skip
+    for queue, depth in report["queues"].items():
+        console.print(f"queue {queue}: {depth} waiting")
+    if not report["workers"]:
+        console.print("[yellow]no live workers[/yellow]")
+    for name, w in report["workers"].items():
+        layers = ", ".join(k for k, on in w["sandbox"].items() if on) or "-"
+        console.print(f"worker {name}: queues={','.join(w['queues'])} tools={w['tools']} "
+                      f"sandbox={layers} seen {w['seen_s_ago']}s ago")  # fmt: skip

@@ -1,0 +1,174 @@
+"""The public data: run specs, results and tool-call records (pydantic)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Status(StrEnum):
+    queued = "queued"  # written, first turn not started yet
+    running = "running"  # a turn or a tool call is in flight or due
+    paused = "paused"  # parked in Redis; nothing starts until resume
+    completed = "completed"  # ended on `default` or an outcome enum value
+    failed = "failed"  # ended on max_iterations, budget_exceeded or error
+    aborted = "aborted"  # ended by an abort directive
+
+    @property
+    def ended(self) -> bool:
+        return self in (Status.completed, Status.failed, Status.aborted)
+
+
+class Exit(StrEnum):
+    default = "default"  # normal end, no outcome enum
+    max_iterations = "max_iterations"  # turn cap reached
+    budget_exceeded = "budget_exceeded"  # token budget spent
+    error = "error"  # model/API error, or an answer outside the outcome contract
+    aborted = "aborted"  # abort directive
+
+
+RESERVED_EXITS = frozenset(e.value for e in Exit)
+LIMIT_EXITS = frozenset({Exit.max_iterations.value, Exit.budget_exceeded.value})
+
+
+def status_for_exit(exit_: str) -> Status:
+    if exit_ == Exit.aborted:
+        return Status.aborted
+    if exit_ in RESERVED_EXITS and exit_ != Exit.default:
+        return Status.failed
+    return Status.completed
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Outcome(_Strict):
+    enum: list[str] = Field(min_length=1)
+
+    @field_validator("enum")
+    @classmethod
+    def _closed_set(cls, values: list[str]) -> list[str]:
+        if any(not v.strip() for v in values):
+            raise ValueError("outcome values must be non-empty strings")
+        if len(set(values)) != len(values):
+            raise ValueError("outcome values must be unique")
+        clash = sorted(set(values) & RESERVED_EXITS)
+        if clash:
+            raise ValueError(f"outcome values {clash} collide with reserved exits")
+        return values
+
+
+class RunContext(_Strict):
+    plan_id: str | None = None
+    phase: str | None = None
+    sandbox_root: str | None = None  # the run's folder itself, when given
+    automation_profile: str | None = None
+    resource_bindings: dict[str, Any] = Field(default_factory=dict)
+    project_resources: Any = None
+
+
+class SupervisorRule(_Strict):
+    when: Literal["tool_repeated", "budget_fraction", "iteration_reached"]
+    then: Literal["pause", "steer", "abort"]
+    count: int = Field(default=3, ge=2)  # tool_repeated: identical calls in a row
+    tool: str | None = None  # tool_repeated: only this tool
+    gt: float = Field(default=0.8, gt=0, le=1)  # budget_fraction
+    gte: int | None = Field(default=None, ge=1)  # iteration_reached
+    message: str | None = None  # steer text
+
+    @model_validator(mode="after")
+    def _complete(self) -> SupervisorRule:
+        if self.when == "iteration_reached" and self.gte is None:
+            raise ValueError("iteration_reached needs `gte`")
+        return self
+
+
+class JudgeSpec(_Strict):
+    model: str
+    model_params: dict[str, Any] = Field(default_factory=dict)
+    every_n_iterations: int = Field(default=1, ge=1)
+    on_judge_error: Literal["ignore", "pause", "abort"] = "ignore"
+    timeout_s: float = Field(default=30, gt=0)
+
+
+class SupervisorSpec(_Strict):
+    rules: list[SupervisorRule] = Field(default_factory=list)
+    judge: JudgeSpec | None = None
+    detect_loops: bool = True  # same call + same result repeated, or ping-pong
+    loop_count: int = Field(default=3, ge=2)
+    loop_action: Literal["pause", "steer", "abort"] = "steer"
+
+
+class SandboxPolicy(_Strict):
+    network: bool = False
+    memory_mb: int = Field(default=1024, ge=16)  # address space per tool call
+    cpu_s: int = Field(default=60, ge=1)  # CPU seconds per tool call
+    max_processes: int = Field(default=64, ge=1)
+    max_file_mb: int = Field(default=256, ge=1)
+    max_open_files: int = Field(default=256, ge=16)
+    allowed_commands: list[str] | None = None  # shell: first word must be one of these
+
+
+class RunSpec(_Strict):
+    prompt: str
+    model: str
+    model_params: dict[str, Any] = Field(default_factory=dict)
+    steering: str | None = None
+    tools: list[str] = Field(default_factory=list)
+    max_iterations: int = Field(default=25, ge=1)
+    token_budget: int | None = Field(default=None, ge=1)
+    tool_timeout_s: float = Field(default=300, gt=0)
+    outcome: Outcome | None = None
+    context: RunContext = Field(default_factory=RunContext)
+    tenant: str = "default"
+    supervisor: SupervisorSpec | None = None
+    pause_max_s: float = Field(default=3600, gt=0)
+    steering_files: list[str] = Field(default_factory=list)
+    skills: list[str] = Field(default_factory=list)
+    sandbox: SandboxPolicy = Field(default_factory=SandboxPolicy)
+
+    @field_validator("prompt", "model", "tenant")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        return names
+
+
+class ToolCallRecord(BaseModel):
+    call_id: str
+    tool_name: str
+    inputs: Any = None
+    output: Any = None
+    duration_ms: float = 0.0
+    success: bool
+    error: str | None = None
+    iteration: int
+
+
+class RunResult(BaseModel):
+    run_id: str
+    status: Status
+    exit: str | None = None
+    content: str | None = None
+    result: Any = None
+    iterations: int = 0
+    tokens_used: int = 0
+    terminated_by_limit: bool = False
+    error: str | None = None
+    error_type: str | None = None
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == Status.completed

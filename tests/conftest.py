@@ -1,0 +1,177 @@
+"""Real parts: a Redis, Celery workers as subprocesses, a scripted model over HTTP.
+
+The suite uses ``TOOLOOP_REDIS_URL`` (default 127.0.0.1:6379) if it answers,
+else starts a throwaway ``redis-server``; every session gets its own key prefix,
+so runs never collide with other sessions sharing the server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_started: list[subprocess.Popen] = []
+
+
+def _answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except Exception:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, *extra: str) -> subprocess.Popen:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.exit("no Redis answers and redis-server is not installed", 2)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        if _answers(url):
+            return proc
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    url = os.environ.get("TOOLOOP_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not _answers(url):
+        port = free_port()
+        _started.append(start_redis(port))
+        url = f"redis://127.0.0.1:{port}/0"
+    os.environ["TOOLOOP_REDIS_URL"] = url
+    os.environ["TOOLOOP_KEY_PREFIX"] = f"test-{uuid.uuid4().hex[:8]}"
+    os.environ["TOOLOOP_TOOLS"] = "tests.tools"
+    os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "6")
+    os.environ["TOOLOOP_SANDBOX_ROOT"] = tempfile.mkdtemp(prefix="tooloop-test-")
+    os.environ["TOOLOOP_SECRET_KEY"] = "test-secret"
+    os.environ["OPENAI_API_KEY"] = "sk-test"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(os.environ["TOOLOOP_REDIS_URL"])
+        keys = list(client.scan_iter(f"{os.environ['TOOLOOP_KEY_PREFIX']}*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i : i + 500])
+    except Exception:
+        pass
+    for proc in _started:
+        proc.terminate()
+
+
+# -- model --------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def model_server() -> Iterator:
+    from orchestrator.scripted_model import ScriptedModel
+
+    server = ScriptedModel().start()
+    yield server
+    server.stop()
+
+
+# -- workers ------------------------------------------------------------------------
+class WorkerProcess:
+    """`tooloop worker` as a subprocess, in its own process group (kill -9 the lot)."""
+
+    def __init__(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
+            env={**os.environ, **(env or {})}, cwd=ROOT, start_new_session=True,
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def wait_ready(self, store, roles: tuple[str, ...] = ("turns", "tools"), timeout: float = 60):
+        wanted = {f"{role}@{self.name}" for role in roles}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if wanted <= set(store.live_workers()):
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.log.read_text()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"worker {self.name} not ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """kill -9 the whole worker: launcher, Celery workers, pool children, tools."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def store():
+    from orchestrator.store import RunStore
+
+    return RunStore.from_settings()
+
+
+@pytest.fixture(scope="session")
+def client(store):
+    from orchestrator import Client
+
+    return Client(store=store)
+
+
+@pytest.fixture(scope="session")
+def worker(store) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(f"main-{uuid.uuid4().hex[:6]}", "-c", "4")
+    try:
+        yield proc.wait_ready(store)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def spec(model_server):
+    """Build a spec dict that talks to the scripted model."""
+
+    def make(steps, **fields):
+        model = model_server.script(steps)
+        params = {"api_base": model_server.api_base, **fields.pop("model_params", {})}
+        return {"prompt": "do the task", "model": model, "model_params": params, **fields}
+
+    return make

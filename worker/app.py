@@ -1,0 +1,99 @@
+"""The Celery app (``celery -A worker.app worker|flower``) and how steps are enqueued.
+
+Importing this module is cheap: it neither imports the task modules (the
+worker does, at start) nor litellm, so the producer client can use it to send.
+
+Delivery settings, and why:
+- JSON only: task payloads are plain data, never pickles.
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a message is acked after
+  its task ran, so one held by a dying worker is delivered again; duplicates are
+  harmless because every step is fenced in Redis (see orchestrator/scripts.py).
+- prefetch multiplier 1: a worker holds no more messages than it has slots.
+- ``visibility_timeout`` far above any task's run time (tool_timeout_s is at most
+  hours): redelivery by the transport is a last resort; the lease sweeper
+  recovers lost steps within TOOLOOP_RECOVERY_S.
+- results ignored: the run store holds the outcome; storing task results costs
+  ~1 ms CPU per task for nothing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from celery import Celery
+
+from orchestrator.keys import Keys
+from orchestrator.settings import Settings, get_settings
+from orchestrator.store import RunStore
+
+TURN_TASK = "tooloop.turn"
+TOOL_TASK = "tooloop.tool"
+VISIBILITY_TIMEOUT_S = 6 * 3600
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    keys = Keys(settings.key_prefix)
+    transport = {
+        "global_keyprefix": keys.broker_prefix,
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+    }
+    app = Celery("tooloop", broker=settings.broker, backend=settings.redis_url)
+    app.conf.update(
+        include=["worker.maintenance", "worker.turn", "worker.tool_task"],
+        imports=["worker.builtins", *settings.tool_modules],
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        broker_connection_retry_on_startup=True,
+        broker_pool_limit=None,  # a connection per publishing thread, no waiting
+        task_default_queue=keys.turn_queue,
+        task_routes={TURN_TASK: {"queue": keys.turn_queue}, TOOL_TASK: {"queue": keys.tool_queue}},
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_soft_shutdown_timeout=10.0,
+        worker_enable_soft_shutdown_on_idle=True,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        result_expires=3600,
+    )
+    app.tooloop_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+app = make_app()
+
+
+@lru_cache(maxsize=1)
+def get_store() -> RunStore:
+    """This process's run store (redis-py reconnects by itself after a fork)."""
+    return RunStore.from_settings(app.tooloop_settings)  # type: ignore[attr-defined]
+
+
+# Queues come from ``task_routes``, so they follow the app's key prefix.
+def enqueue_turn(run_id: str, iteration: int, celery_app: Celery | None = None) -> None:
+    (celery_app or app).send_task(
+        TURN_TASK,
+        args=(run_id, iteration),
+        task_id=f"turn-{run_id}-{iteration}",
+        ignore_result=True,
+    )
+
+
+def enqueue_call(payload: dict[str, Any], celery_app: Celery | None = None) -> None:
+    hard_limit = payload["timeout_s"] + 60  # the sandbox cuts first; this is a backstop
+    (celery_app or app).send_task(
+        TOOL_TASK,
+        args=(payload,),
+        task_id=f"tool-{payload['run_id']}-{payload['key']}",
+        ignore_result=True,
+        time_limit=hard_limit,
+    )

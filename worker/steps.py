@@ -1,0 +1,104 @@
+"""Pure decisions of the loop: the first messages, and what a model reply means.
+
+``decide(reply)`` returns ``Finish`` (the run ends) or ``RunTools`` (dispatch
+these calls); the turn task then acts on it. Nothing here touches Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.models import Exit, RunSpec
+from orchestrator.store import Finish
+
+BASE_INSTRUCTION = (
+    "You are an agent working in a loop: call the tools you are given when they help, "
+    "read their results, and answer when the task is done. A tool result that starts "
+    "with 'Error:' means the call failed; you may fix the arguments and try again."
+)
+
+_FENCE = re.compile(r"^\s*```[\w-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    call_id: str
+    name: str
+    arguments: str  # raw JSON text, exactly as the model wrote it
+
+
+@dataclass(frozen=True)
+class RunTools:
+    calls: list[ToolRequest]
+
+
+def outcome_instruction(enum: list[str]) -> str:
+    values = ", ".join(json.dumps(v) for v in enum)
+    return (
+        "When you are done, your final answer must be exactly one JSON object and "
+        'nothing else: {"outcome": <one of ' + values + '>, "result": <your result>}. '
+        "No code fences, no text before or after it."
+    )
+
+
+def system_prompt(spec: RunSpec, steering_docs: list[str] = (), skills: list[str] = ()) -> str:
+    parts = [spec.steering] if spec.steering else []
+    parts.append(BASE_INSTRUCTION)
+    parts += [f"Always follow these instructions:\n{doc}" for doc in steering_docs]
+    parts += [f"Skill (apply when relevant):\n{doc}" for doc in skills]
+    if spec.outcome:
+        parts.append(outcome_instruction(spec.outcome.enum))
+    return "\n\n".join(parts)
+
+
+def initial_messages(
+    spec: RunSpec, steering_docs: list[str] = (), skills: list[str] = ()
+) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": system_prompt(spec, steering_docs, skills)},
+        {"role": "user", "content": spec.prompt},
+    ]
+
+
+def strip_fences(text: str) -> str:
+    match = _FENCE.match(text)
+    return match.group(1).strip() if match else text.strip()
+
+
+def decide(message: dict[str, Any], spec: RunSpec, iteration: int) -> Finish | RunTools:
+    calls = message.get("tool_calls") or []
+    if calls:
+        return RunTools(
+            [
+                ToolRequest(
+                    call.get("id") or f"call_{iteration}_{index}",
+                    call["function"]["name"],
+                    call["function"].get("arguments") or "{}",
+                )
+                for index, call in enumerate(calls)
+            ]
+        )
+    return final_answer(message.get("content") or "", spec)
+
+
+def final_answer(content: str, spec: RunSpec) -> Finish:
+    text = strip_fences(content)
+    if spec.outcome is None:
+        return Finish(Exit.default, content=text)
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _bad_outcome(text, f"final answer is not JSON: {exc}")
+    if not isinstance(answer, dict) or "outcome" not in answer:
+        return _bad_outcome(text, 'final answer lacks "outcome"')
+    if answer["outcome"] not in spec.outcome.enum:
+        allowed = ", ".join(spec.outcome.enum)
+        return _bad_outcome(text, f"outcome {answer['outcome']!r} is not one of: {allowed}")
+    return Finish(answer["outcome"], content=text, result=answer.get("result"))
+
+
+def _bad_outcome(text: str, why: str) -> Finish:
+    return Finish(Exit.error, content=text, error=why, error_type="InvalidOutcome")
