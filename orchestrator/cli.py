@@ -224,8 +224,8 @@ def worker(
     loglevel: Annotated[str, typer.Option("-l", "--loglevel")] = "info",
 ) -> None:
     """A Celery worker for turns and/or tools."""
-    from orchestrator.settings import get_settings
     from orchestrator.keys import Keys
+    from orchestrator.settings import get_settings
     from worker import launcher
 
     try:

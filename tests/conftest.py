@@ -7,6 +7,7 @@ so runs never collide with other sessions sharing the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -123,10 +124,8 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """kill -9 the whole worker: launcher, Celery workers, pool children, tools."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
     def stop(self) -> None:
@@ -136,10 +135,8 @@ class WorkerProcess:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ call that will not report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -147,14 +148,10 @@ def _decode(data: bytes, status: int) -> CallOutcome:
 
 def _kill(pid: int) -> None:
     _kill_group(pid)
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
