@@ -18,13 +18,23 @@ class Client:
     """``Client()`` reads its settings from the environment (``TOOLOOP_*``)."""
 
     def __init__(self, settings: Settings | None = None, store: RunStore | None = None) -> None:
-        self.settings = settings or get_settings()
+        self.settings = settings or (store.settings if store else get_settings())
         self.store = store or RunStore.from_settings(self.settings)
+        self._celery: Any = None
+
+    @property
+    def celery(self) -> Any:
+        """The Celery app that sends this client's steps (created on first use)."""
+        if self._celery is None:
+            from worker.app import app, make_app
+
+            self._celery = app if self.settings == get_settings() else make_app(self.settings)
+        return self._celery
 
     def submit(self, spec: RunSpec | dict[str, Any], run_id: str | None = None) -> RunHandle:
         """Validate, write and enqueue a run. A refused spec raises ``SpecError``,
         and nothing is written or enqueued."""
-        from worker.app import enqueue_turn  # the Celery app: imported when first needed
+        from worker.app import enqueue_turn
         from worker.steps import initial_messages
 
         spec = spec if isinstance(spec, RunSpec) else parse_spec_data(spec)
@@ -34,7 +44,7 @@ class Client:
         run_id = run_id or uuid.uuid4().hex
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
         self.store.create(run_id, report.stored_spec, messages)
-        enqueue_turn(run_id, 1)
+        enqueue_turn(run_id, 1, self.celery)
         return RunHandle(self, run_id)
 
     def get(self, run_id: str) -> RunHandle:
@@ -51,9 +61,9 @@ class Client:
 
         kind, items = self.store.resume(run_id, by)
         if kind == "turn":
-            enqueue_turn(run_id, items[0])
+            enqueue_turn(run_id, items[0], self.celery)
         for payload in items if kind == "calls" else []:
-            enqueue_call(payload)
+            enqueue_call(payload, self.celery)
         return "ok" if kind in ("turn", "calls", "none") else kind
 
 

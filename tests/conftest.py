@@ -162,6 +162,47 @@ def worker(store) -> Iterator[WorkerProcess]:
         proc.stop()
 
 
+class Deployment:
+    """A deployment of its own: key prefix, client, store, workers."""
+
+    def __init__(self, prefix: str, env: dict[str, str]) -> None:
+        from orchestrator import Client
+        from orchestrator.settings import Settings
+        from orchestrator.store import RunStore
+
+        self.prefix, self.env = prefix, {"TOOLOOP_KEY_PREFIX": prefix, **env}
+        self.settings = Settings(key_prefix=prefix, **{k.removeprefix("TOOLOOP_").lower(): v
+                                                       for k, v in env.items() if k.startswith("TOOLOOP_")})
+        self.store = RunStore.from_settings(self.settings)
+        self.client = Client(settings=self.settings, store=self.store)
+        self.workers: list[WorkerProcess] = []
+
+    def start_worker(self, *args: str, roles: tuple[str, ...] = ("turns", "tools")) -> WorkerProcess:
+        proc = WorkerProcess(f"{self.prefix}-{len(self.workers)}", *args, env=self.env)
+        self.workers.append(proc)
+        return proc.wait_ready(self.store, roles)
+
+    def stop(self) -> None:
+        for proc in self.workers:
+            proc.stop()
+
+
+@pytest.fixture
+def deployment() -> Iterator:
+    """Factory: ``deployment(**env)`` -> a Deployment with no workers yet (for tests that
+    starve, kill or count workers without disturbing the shared one)."""
+    made: list[Deployment] = []
+
+    def make(**env: str) -> Deployment:
+        d = Deployment(f"{os.environ['TOOLOOP_KEY_PREFIX']}-{uuid.uuid4().hex[:6]}", env)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+
+
 @pytest.fixture
 def spec(model_server):
     """Build a spec dict that talks to the scripted model."""

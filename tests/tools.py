@@ -63,3 +63,12 @@ def lookup(key: str) -> str:
 def modules() -> list[str]:
     """Which heavy modules the tool process has imported."""
     return sorted(m for m in ("litellm", "openai") if m in sys.modules)
+
+
+@tool
+def pid_sleeper(seconds: float, sandbox_root: str) -> str:
+    """Write this process's pid to pid.txt in the run's folder, then sleep."""
+    with open(os.path.join(sandbox_root, "pid.txt"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return "woke up"

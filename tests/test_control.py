@@ -1,0 +1,151 @@
+"""Directives from any process, applied by whichever worker holds the run."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import Status
+from tests.test_loop import call, tools
+
+
+def wait_for(predicate, timeout: float = 15, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def test_abort_during_model_call_discards_the_reply(client, worker, spec, model_server, store):
+    s = spec([tools(call("add", {"a": 1, "b": 1}), delay=2.0), {"content": "never"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    assert handle.abort(reason="wrong prompt", by="tester") == "ok"
+    assert handle.status() == Status.aborted  # at once, the reply still in flight
+    time.sleep(2.5)  # the reply arrives meanwhile and must be dropped
+    result = handle.result()
+    assert (result.status, result.exit, result.error_type) == (Status.aborted, "aborted", "Aborted")
+    assert "tester" in result.error and "wrong prompt" in result.error
+    assert result.tool_calls == [] and result.iterations == 0
+    assert len(model_server.calls(s["model"])) == 1
+    assert all(m["role"] != "assistant" for m in store.messages(handle.run_id))
+
+
+def test_abort_during_tool_call_kills_the_tool(client, worker, spec, store):
+    s = spec([tools(call("pid_sleeper", {"seconds": 60})), {"content": "never"}], tools=["pid_sleeper"])
+    handle = client.submit(s)
+    pid_file = os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], handle.run_id, "pid.txt")
+    pid = int(wait_for(lambda: os.path.exists(pid_file) and Path(pid_file).read_text()))
+    assert alive(pid)
+    handle.abort()
+    assert handle.status() == Status.aborted
+    wait_for(lambda: not alive(pid), timeout=3)
+    # the worker keeps serving
+    again = client.submit(spec([{"content": "still here"}])).wait(timeout=20)
+    assert again.content == "still here"
+
+
+def test_steer_reaches_the_model_at_the_next_turn(client, worker, spec, model_server):
+    s = spec([tools(call("add", {"a": 1, "b": 2}), delay=1.0), {"content": "ok"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    assert handle.steer("Prefer small numbers.") == "ok"
+    assert handle.wait(timeout=20).status == Status.completed
+    second = model_server.calls(s["model"])[1]["messages"]
+    guidance = [m for m in second if m["role"] == "system" and "Prefer small numbers." in m["content"]]
+    assert len(guidance) == 1
+    assert "does not change your tools, your outcome contract, or the task itself" in guidance[0]["content"]
+    assert len([m for m in model_server.calls(s["model"])[0]["messages"] if m["role"] == "system"]) == 1
+
+
+def test_pause_parks_between_steps_and_resume_continues(client, worker, spec, model_server):
+    s = spec([tools(call("add", {"a": 1, "b": 2}), delay=1.0), {"content": "resumed"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    assert handle.pause() == "ok"
+    assert handle.status() == Status.paused
+    time.sleep(2.0)  # the reply lands; its tool call must not start while paused
+    result = handle.result()
+    assert result.status == Status.paused and result.iterations == 1 and result.tool_calls == []
+    assert len(model_server.calls(s["model"])) == 1
+    assert handle.resume() == "ok"
+    result = handle.wait(timeout=20)
+    assert (result.status, result.content) == (Status.completed, "resumed")
+    assert [r.output for r in result.tool_calls] == [3]
+
+
+def test_pause_at_turn_boundary_then_resume(client, worker, spec, model_server):
+    s = spec([tools(call("sleepy", {"seconds": 1.0})), {"content": "done"}], tools=["sleepy"])
+    handle = client.submit(s)
+    wait_for(lambda: handle.result().iterations == 1)
+    handle.pause()
+    wait_for(lambda: handle.result().tool_calls)  # the started call finishes...
+    time.sleep(0.5)
+    assert handle.status() == Status.paused  # ...but no next turn starts
+    assert len(model_server.calls(s["model"])) == 1
+    handle.resume()
+    assert handle.wait(timeout=20).content == "done"
+
+
+def test_pause_holds_no_worker_slot(deployment, spec):
+    d = deployment()
+    d.start_worker("-c", "1")
+    first = d.client.submit(spec([tools(call("add", {"a": 1, "b": 1}), delay=0.5), {"content": "A"}],
+                                 tools=["add"]))  # fmt: skip
+    first.pause()
+    second = d.client.submit(spec([tools(call("add", {"a": 2, "b": 2})), {"content": "B"}], tools=["add"]))
+    assert second.wait(timeout=20).content == "B"
+    assert first.status() == Status.paused
+    first.resume()
+    assert first.wait(timeout=20).content == "A"
+
+
+def test_pause_longer_than_pause_max_aborts(client, worker, spec):
+    steps = [tools(call("add", {"a": 1, "b": 1}), delay=0.5), {"content": "x"}]
+    s = spec(steps, tools=["add"], pause_max_s=1)
+    handle = client.submit(s)
+    handle.pause()
+    result = handle.wait(timeout=15)
+    assert (result.status, result.exit) == (Status.aborted, "aborted")
+    assert "pause_max_s" in result.error
+
+
+def test_directives_on_ended_or_missing_runs(client, worker, spec, store):
+    handle = client.submit(spec([{"content": "quick"}]))
+    handle.wait(timeout=20)
+    assert handle.abort() == "ended" and handle.pause() == "ended" and handle.steer("x") == "ended"
+    assert handle.resume() == "ended"
+    assert store.abort("no-such-run") == "missing"
+    with pytest.raises(KeyError):
+        client.get("no-such-run")
+
+
+def test_events_are_ordered_metadata(client, worker, spec):
+    s = spec([tools(call("add", {"a": 31337, "b": 1})), {"content": "forty-two"}], tools=["add"])
+    handle = client.submit(s)
+    events = list(handle.events(timeout=20))
+    assert [e["type"] for e in events] == ["queued", "iteration", "tool_call", "iteration", "outcome"]
+    assert events[1]["tool_calls"] == "1" and events[2]["tool"] == "add" and events[2]["success"] == "1"
+    assert events[4]["exit"] == "default" and events[4]["status"] == "completed"
+    assert int(events[3]["tokens_used"]) == 60
+    flat = " ".join(f"{k}={v}" for e in events for k, v in e.items() if k not in ("id", "ts"))
+    for secret in ("31337", "31338", "forty-two", "do the task"):
+        assert secret not in flat
+    # a finished run replays
+    assert [e["type"] for e in handle.events(timeout=5)][-1] == "outcome"
