@@ -126,13 +126,13 @@ def list_runs(
     as_json: JsonOpt = False,
 ) -> None:
     """Recent runs, newest first."""
-    rows = _client().list(limit, tenant)
-    if as_json:
-        _print_json(rows)
-        return
-    from orchestrator.views import runs_table
+    from orchestrator.views import RunSummary, runs_table
 
-    runs_table(rows)
+    runs = [RunSummary.from_row(row) for row in _client().list(limit, tenant)]
+    if as_json:
+        _print_json([run.model_dump(mode="json") for run in runs])
+        return
+    runs_table(runs)
 
 
 @app.command()
@@ -141,7 +141,13 @@ def watch(run_id: RunArg) -> None:
     from orchestrator.views import watch_run
 
     handle = _handle(run_id)
-    result = watch_run(handle)
+    try:
+        result = watch_run(handle)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None  # the run goes on; only watching stops
+    except BrokenPipeError:  # `tooloop watch RUN | head`: the reader left
+        sys.stderr.close()
+        raise typer.Exit(0) from None
     raise typer.Exit(_exit_code(result) if result else 1)
 
 
@@ -251,6 +257,22 @@ def doctor(as_json: JsonOpt = False) -> None:
     report = diagnose()
     _print_json(report) if as_json else render(report)
     raise typer.Exit(0 if report["redis"]["ok"] else 1)
+
+
+@app.command()
+def api(
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
+    loglevel: Annotated[str, typer.Option("-l", "--loglevel")] = "info",
+) -> None:
+    """The operator HTTP API (bearer tokens from TOOLOOP_API_TOKENS); OpenAPI at /docs."""
+    from orchestrator.settings import get_settings
+
+    if not get_settings().tenant_tokens():
+        _err("warning: TOOLOOP_API_TOKENS is empty: every /api/runs request will answer 401")
+    from orchestrator.api import serve  # FastAPI only here: other commands stay fast
+
+    serve(host, port, loglevel)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     retention_s: int = 7 * 24 * 3600  # finished runs expire after this
     events_maxlen: int = 1000  # progress events kept per run
     sandbox: str = "auto"  # auto | bwrap | basic: strongest layer to use
+    agents_dir: str = "agents"  # steering files and skills; relative = from the submitter's cwd
 
     @property
     def broker(self) -> str:

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from orchestrator.models import RunSpec
 from orchestrator.secrets import SecretError, seal_params
+from orchestrator.settings import get_settings
 
 if TYPE_CHECKING:
     from orchestrator.store import RunStore
@@ -50,6 +51,7 @@ class SpecReport:
 def check_spec(spec: RunSpec, store: RunStore | None) -> SpecReport:
     report = SpecReport(stored_spec=spec)
     _check_secrets(spec, report)
+    _load_agent_docs(spec, store, report)
     if store is not None:
         _check_tools(spec, store, report)
     return report
@@ -63,6 +65,19 @@ def _check_secrets(spec: RunSpec, report: SpecReport) -> None:
         return
     if sealed is not spec.model_params:
         report.stored_spec = spec.model_copy(update={"model_params": sealed})
+
+
+def _load_agent_docs(spec: RunSpec, store: RunStore | None, report: SpecReport) -> None:
+    """Read steering files and skills now, in the submitter's process: workers never do."""
+    if not (spec.steering_files or spec.skills):
+        return
+    from orchestrator.agents import agents_root, load_docs
+
+    settings = store.settings if store is not None else get_settings()
+    docs = load_docs(spec.steering_files, spec.skills, agents_root(settings.agents_dir))
+    report.steering_docs, report.skill_docs = docs.steering, docs.skills
+    report.errors += docs.errors
+    report.warnings += docs.warnings
 
 
 def _check_tools(spec: RunSpec, store: RunStore, report: SpecReport) -> None:

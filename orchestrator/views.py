@@ -1,30 +1,87 @@
 """Terminal views for the CLI: the runs table and the live watch.
 
-Rich only draws on a terminal; in a pipe, ``watch`` prints one plain line per
-event (rich wraps at 80 columns in pipes, which breaks parsers).
+Rich only draws on a terminal. In a pipe, ``list`` prints plain aligned columns
+and ``watch`` one plain line per event (``event_line``, stable for scripts):
+rich wraps at 80 columns in pipes, which breaks parsers.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
-from orchestrator.models import RunResult
+from pydantic import BaseModel, Field
+
+from orchestrator.models import RunResult, Status
+
+STATUS_STYLE = {"queued": "dim", "running": "cyan", "paused": "yellow",
+                "completed": "green", "failed": "red", "aborted": "magenta"}  # fmt: skip
 
 
-def runs_table(rows: list[dict[str, str]]) -> None:
+class RunSummary(BaseModel):
+    """One row of ``tooloop list`` / ``GET /api/runs``."""
+
+    run_id: str
+    status: Status
+    exit: str | None = None
+    iteration: int = 0
+    tokens_used: int = 0
+    model: str = ""
+    tenant: str = "default"
+    created_at: int = Field(0, description="ms since the epoch")
+
+    @classmethod
+    def from_row(cls, row: dict[str, str]) -> RunSummary:
+        """From a ``RunStore.list_runs`` row (all strings; '' when unset)."""
+        return cls.model_validate({k: v for k, v in row.items() if v != ""})
+
+
+# -- list ------------------------------------------------------------------------------
+COLUMNS = ("run", "status", "exit", "turns", "tokens", "model", "tenant", "created")
+
+
+def _cells(run: RunSummary) -> tuple[str, ...]:
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at / 1000))
+    return (run.run_id, run.status.value, run.exit or "-", str(run.iteration),
+            str(run.tokens_used), run.model, run.tenant, created)  # fmt: skip
+
+
+def runs_table(runs: list[RunSummary], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    if not runs:
+        print("no runs", file=sys.stderr)
+    elif out.isatty():
+        _rich_table(runs)
+    else:
+        print(plain_table([COLUMNS, *(_cells(r) for r in runs)]), file=out)
+
+
+def plain_table(rows: Iterable[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell, two spaces apart (``awk``-friendly)."""
+    rows = list(rows)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)  # fmt: skip
+
+
+def _rich_table(runs: list[RunSummary]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("run", "status", "exit", "turns", "tokens", "model", "tenant", "created")
-    for row in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(row["created_at"]) / 1000))
-        table.add_row(row["run_id"], row["status"], row["exit"] or "-", row["iteration"],
-                      row["tokens_used"], row["model"], row["tenant"], created)  # fmt: skip
+    table = Table(*COLUMNS, title=f"{len(runs)} recent runs")
+    for column in table.columns[3:5]:
+        column.justify = "right"
+    for run in runs:
+        cells = list(_cells(run))
+        cells[1] = f"[{STATUS_STYLE.get(cells[1], '')}]{cells[1]}[/]"
+        table.add_row(*cells)
     Console().print(table)
 
 
+# -- watch -----------------------------------------------------------------------------
 def event_line(event: dict[str, str]) -> str:
     """One plain line per event: metadata only, stable for scripts."""
     kind = event.get("type", "?")
@@ -42,44 +99,74 @@ def event_line(event: dict[str, str]) -> str:
 
 
 def watch_run(handle: Any) -> RunResult | None:
-    if not sys.stdout.isatty():
+    """Follow a run until it ends (a finished run is replayed); its final result."""
+    if sys.stdout.isatty():
+        _watch_live(handle)
+    else:
         for event in handle.events():
+            # plain print, never a rich console: one line per event, unwrapped
             print(event_line(event), flush=True)
-        return handle.result()
-    return _watch_live(handle)
+    return handle.result()
 
 
-def _watch_live(handle: Any) -> RunResult | None:
-    from rich.console import Console
-    from rich.live import Live
-    from rich.table import Table
+@dataclass
+class WatchState:
+    """What the live view shows, folded from the events seen so far."""
 
-    started = time.monotonic()
-    state: dict[str, Any] = {"turn": 0, "tokens": 0, "calls": 0, "failed": 0, "status": "…"}
-    lines: list[str] = []
+    run_id: str
+    status: str = "queued"
+    turn: str = "0"
+    tokens: str = "0"
+    calls: int = 0
+    failed: int = 0
+    started_ms: int | None = None  # the `queued` event: the run's creation
+    ended_ms: int | None = None  # the `outcome` event
+    lines: list[str] = field(default_factory=list)
 
-    def render() -> Table:
-        table = Table(title=f"run {handle.run_id}", show_header=False)
-        table.add_row("status", str(state["status"]))
-        table.add_row("turn", str(state["turn"]))
-        table.add_row("tool calls", f"{state['calls']} ({state['failed']} failed)")
-        table.add_row("tokens", str(state["tokens"]))
-        table.add_row("elapsed", f"{time.monotonic() - started:.1f}s")
-        table.add_row("events", "\n".join(lines[-10:]))
+    def apply(self, event: dict[str, str]) -> None:
+        self.lines.append(event_line(event))
+        kind, ts = event.get("type"), int(event.get("ts") or 0) or None
+        if kind == "queued":
+            self.started_ms = ts
+        elif kind == "iteration":
+            self.turn, self.tokens, self.status = event["iteration"], event["tokens_used"], "running"
+        elif kind == "tool_call":
+            self.calls += 1
+            self.failed += event.get("success") != "1"
+        elif kind == "control":
+            self.status = _CONTROL_STATUS.get(event.get("action", ""), self.status)
+        elif kind == "outcome":
+            self.status, self.ended_ms = f"{event['status']} ({event['exit']})", ts
+
+    def elapsed_s(self) -> float:
+        if self.started_ms is None:
+            return 0.0
+        end = self.ended_ms or time.time() * 1000
+        return max(0.0, (end - self.started_ms) / 1000)
+
+    def __rich__(self) -> Any:
+        # Called on every refresh, so `elapsed` ticks between events.
+        from rich.table import Table
+
+        table = Table(title=f"run {self.run_id}", show_header=False, min_width=60)
+        style = STATUS_STYLE.get(self.status.split(" ")[0], "")
+        table.add_row("status", f"[{style}]{self.status}[/]" if style else self.status)
+        table.add_row("turn", self.turn)
+        table.add_row("tool calls", f"{self.calls} ({self.failed} failed)")
+        table.add_row("tokens", self.tokens)
+        table.add_row("elapsed", f"{self.elapsed_s():.1f}s")
+        table.add_row("events", "\n".join(self.lines[-10:]))
         return table
 
-    with Live(render(), console=Console(), refresh_per_second=4) as live:
+
+_CONTROL_STATUS = {"pause": "paused", "resume": "running", "abort": "aborting"}
+
+
+def _watch_live(handle: Any) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    state = WatchState(handle.run_id)
+    with Live(state, console=Console(), refresh_per_second=4):
         for event in handle.events():
-            lines.append(event_line(event))
-            if event["type"] == "iteration":
-                state.update(turn=event["iteration"], tokens=event["tokens_used"])
-                state["status"] = "running"
-            elif event["type"] == "tool_call":
-                state["calls"] += 1
-                state["failed"] += event.get("success") != "1"
-            elif event["type"] == "control":
-                state["status"] = event.get("action", state["status"])
-            elif event["type"] == "outcome":
-                state["status"] = f"{event['status']} ({event['exit']})"
-            live.update(render())
-    return handle.result()
+            state.apply(event)
