@@ -70,36 +70,73 @@ class RunContext(_Strict):
     project_resources: Any = None
 
 
+Action = Literal["pause", "steer", "abort"]
+
+# The options each kind of rule reads; any other option on that rule is refused.
+RULE_OPTIONS = {
+    "tool_repeated": {"count", "tool"},
+    "budget_fraction": {"gt"},
+    "iteration_reached": {"gte"},
+}
+
+
 class SupervisorRule(_Strict):
+    """One deterministic rule; it fires at most once per run (see orchestrator/supervisor.py)."""
+
     when: Literal["tool_repeated", "budget_fraction", "iteration_reached"]
-    then: Literal["pause", "steer", "abort"]
+    then: Action
     count: int = Field(default=3, ge=2)  # tool_repeated: identical calls in a row
     tool: str | None = None  # tool_repeated: only this tool
-    gt: float = Field(default=0.8, gt=0, le=1)  # budget_fraction
+    gt: float = Field(default=0.8, gt=0, le=1)  # budget_fraction: of token_budget
     gte: int | None = Field(default=None, ge=1)  # iteration_reached
-    message: str | None = None  # steer text
+    message: str | None = None  # steer text (abort: the reason); a default otherwise
 
     @model_validator(mode="after")
     def _complete(self) -> SupervisorRule:
         if self.when == "iteration_reached" and self.gte is None:
             raise ValueError("iteration_reached needs `gte`")
+        ignored = self.model_fields_set - RULE_OPTIONS[self.when] - {"when", "then", "message"}
+        if ignored:
+            names = ", ".join(f"`{n}`" for n in sorted(ignored))
+            raise ValueError(f"{names} does not apply to `when: {self.when}`")
+        if self.message is not None and not self.message.strip():
+            raise ValueError("`message` must not be blank")
         return self
 
 
 class JudgeSpec(_Strict):
-    model: str
-    model_params: dict[str, Any] = Field(default_factory=dict)
+    model: str  # any litellm model string
+    model_params: dict[str, Any] = Field(default_factory=dict)  # api_base, api_key_env, ...
     every_n_iterations: int = Field(default=1, ge=1)
-    on_judge_error: Literal["ignore", "pause", "abort"] = "ignore"
-    timeout_s: float = Field(default=30, gt=0)
+    on_judge_error: Action | Literal["ignore"] = "ignore"  # timeout, bad JSON, API error
+    timeout_s: float = Field(default=30, gt=0, le=600)
+
+    @field_validator("model")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("model_params")
+    @classmethod
+    def _no_clear_key(cls, params: dict[str, Any]) -> dict[str, Any]:
+        # Only the run's own model_params are sealed at submit: a literal key here
+        # would sit in Redis in clear.
+        key = params.get("api_key")
+        if key is not None and not str(key).startswith("sealed:"):
+            raise ValueError("a literal api_key would be stored in clear; use api_key_env")
+        return params
 
 
 class SupervisorSpec(_Strict):
+    """Without this block no rule, detector or judge runs."""
+
     rules: list[SupervisorRule] = Field(default_factory=list)
     judge: JudgeSpec | None = None
-    detect_loops: bool = True  # same call + same result repeated, or ping-pong
-    loop_count: int = Field(default=3, ge=2)
-    loop_action: Literal["pause", "steer", "abort"] = "steer"
+    detect_loops: bool = True  # same call + same result repeated, or two calls ping-ponging
+    loop_count: int = Field(default=3, ge=2)  # repeats (ping-pong: round trips) that make a loop
+    loop_action: Action = "steer"
 
 
 class SandboxPolicy(_Strict):

@@ -41,7 +41,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     }
     app = Celery("tooloop", broker=settings.broker, backend=settings.redis_url)
     app.conf.update(
-        include=["worker.maintenance", "worker.turn", "worker.tool_task"],
+        include=["worker.maintenance", "worker.turn", "worker.tool_task", "worker.supervision"],
         imports=["worker.builtins", *settings.tool_modules],
         task_serializer="json",
         result_serializer="json",

@@ -21,10 +21,11 @@ from worker.maintenance import INFLIGHT
 from worker.middleware import Chain, IterationCap, Middleware, TokenBudget, TurnContext
 from worker.registry import REGISTRY
 from worker.steps import RunTools, ToolRequest, decide
+from worker.supervision import Supervision
 
 log = get_task_logger(__name__)
 
-MIDDLEWARE: list[Middleware] = [IterationCap(), TokenBudget()]
+MIDDLEWARE: list[Middleware] = [IterationCap(), TokenBudget(), Supervision()]
 CATALOG_CACHE_S = 5.0
 
 
