@@ -250,6 +250,14 @@ def flower(ctx: typer.Context) -> None:
 
 
 @app.command()
+def demo(runs: Annotated[int, typer.Option(help="how many runs to submit")] = 3) -> None:
+    """The whole system on one machine, no setup (embedded Redis, local worker)."""
+    from orchestrator.demo import run_demo
+
+    raise typer.Exit(run_demo(runs))
+
+
+@app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Which sandbox layers, Redis, queues and workers are live."""
     from orchestrator.doctor import diagnose, render

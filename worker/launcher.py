@@ -31,8 +31,9 @@ class PoolPlan:
     concurrency: int
 
     def command(self, name: str, loglevel: str) -> list[str]:
+        quiet = ["--quiet"] if loglevel.lower() in ("warning", "error", "critical") else []
         return [
-            sys.executable, "-m", "celery", "-A", "worker.app", "worker",
+            sys.executable, "-m", "celery", "-A", "worker.app", *quiet, "worker",
             "-Q", self.queue, "-P", self.pool, "-c", str(self.concurrency),
             "-n", f"{self.role}@{name}", "-l", loglevel, "-O", "fair",
             "--without-gossip", "--without-mingle",

