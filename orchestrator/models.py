@@ -95,7 +95,12 @@ class SupervisorRule(_Strict):
     def _complete(self) -> SupervisorRule:
         if self.when == "iteration_reached" and self.gte is None:
             raise ValueError("iteration_reached needs `gte`")
-        ignored = self.model_fields_set - RULE_OPTIONS[self.when] - {"when", "then", "message"}
+        # Set and not the default: the stored spec (model_dump_json) carries every field.
+        ignored = {
+            name
+            for name in self.model_fields_set - RULE_OPTIONS[self.when] - {"when", "then", "message"}
+            if getattr(self, name) != type(self).model_fields[name].default
+        }
         if ignored:
             names = ", ".join(f"`{n}`" for n in sorted(ignored))
             raise ValueError(f"{names} does not apply to `when: {self.when}`")

@@ -204,7 +204,7 @@ def test_contract_example_parses():
     ("rule", "complaint"),
     [
         ({"when": "iteration_reached", "then": "abort"}, "needs `gte`"),
-        ({"when": "budget_fraction", "then": "abort", "count": 3}, "`count` does not apply"),
+        ({"when": "budget_fraction", "then": "abort", "count": 5}, "`count` does not apply"),
         ({"when": "tool_repeated", "then": "abort", "gte": 3}, "`gte` does not apply"),
         ({"when": "tool_repeated", "then": "explode"}, "then"),
         ({"when": "budget_fraction", "then": "steer", "gt": 1.5}, "gt"),
@@ -215,6 +215,20 @@ def test_contract_example_parses():
 def test_bad_rules_are_refused_naming_the_field(rule: dict, complaint: str):
     with pytest.raises(ValidationError, match=complaint):
         RunSpec(prompt="p", model="m", supervisor={"rules": [rule]})
+
+
+def test_spec_survives_the_round_trip_through_redis():
+    # the store keeps model_dump_json(): every field explicit, so "set" is not "given"
+    rules = [
+        {"when": w, "then": "steer", **extra}
+        for w, extra in [
+            ("tool_repeated", {"tool": "add"}),
+            ("budget_fraction", {}),
+            ("iteration_reached", {"gte": 2}),
+        ]
+    ]
+    spec = RunSpec(prompt="p", model="m", supervisor={"rules": rules, "judge": {"model": "j"}})
+    assert RunSpec.model_validate_json(spec.model_dump_json()) == spec
 
 
 def test_judge_refuses_literal_api_key_and_bad_error_policy():
