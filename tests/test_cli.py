@@ -1,0 +1,300 @@
+"""`tooloop` as users run it: subprocesses, pipes, exit codes, a second terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import Status
+from orchestrator.views import event_line
+from tests.conftest import ROOT
+
+
+def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout,
+    )  # fmt: skip
+
+
+def wait_for(predicate, timeout: float = 15, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def write_spec(tmp_path: Path, data: dict[str, Any], name: str = "spec.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def add_call(**extra: Any) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}], **extra}
+
+
+@pytest.fixture
+def holds() -> Iterator[list[threading.Event]]:
+    made: list[threading.Event] = []
+    yield made
+    for event in made:
+        event.set()
+
+
+def gate(holds: list[threading.Event]) -> threading.Event:
+    event = threading.Event()
+    holds.append(event)
+    return event
+
+
+# -- submit / status: stdout and exit codes ---------------------------------------------------
+def test_submit_wait_json_prints_one_document_and_exits_0(tmp_path, worker, spec) -> None:
+    path = write_spec(tmp_path, spec([add_call(), {"content": "5"}], tools=["add"]))
+    done = tooloop("submit", str(path), "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\n") == 1  # exactly one JSON document, on one line
+    result = json.loads(done.stdout)
+    assert (result["status"], result["exit"], result["content"]) == ("completed", "default", "5")
+    assert result["tool_calls"][0]["output"] == 5
+    assert "submitted" in done.stderr  # progress goes to stderr
+
+    status = tooloop("status", result["run_id"], "--json")
+    assert status.returncode == 0 and json.loads(status.stdout) == result
+    human = tooloop("status", result["run_id"])
+    assert human.returncode == 0 and "completed (default)" in human.stdout
+
+
+def test_submit_wait_exits_1_on_a_reserved_exit(tmp_path, worker, spec) -> None:
+    path = write_spec(tmp_path, spec([add_call()], tools=["add"], max_iterations=1))
+    done = tooloop("submit", str(path), "--wait", "--json")
+    assert done.returncode == 1, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["status"], result["exit"], result["terminated_by_limit"]) == (
+        "failed",
+        "max_iterations",
+        True,
+    )
+
+
+def test_submit_without_wait(tmp_path, worker, spec, client) -> None:
+    path = write_spec(tmp_path, spec([{"content": "hi"}]))
+    plain = tooloop("submit", str(path))
+    assert plain.returncode == 0
+    run_id = plain.stdout.strip()
+    assert plain.stdout == run_id + "\n" and client.get(run_id).wait(timeout=20).content == "hi"
+    as_json = tooloop("submit", str(path), "--json", "--prompt", "other task")
+    document = json.loads(as_json.stdout)
+    assert set(document) == {"run_id", "status"} and document["status"] in ("queued", "running", "completed")
+
+
+def test_refused_spec_and_bad_usage_exit_2(tmp_path, spec, model_server) -> None:
+    refused = tooloop("submit", str(write_spec(tmp_path, {**spec([{"content": "x"}]), "colour": "red"})))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "colour: unknown field" in refused.stderr
+    empty_prompt = tooloop(
+        "submit", str(write_spec(tmp_path, spec([{"content": "x"}], prompt=" "), "e.json"))
+    )
+    assert empty_prompt.returncode == 2 and "prompt" in empty_prompt.stderr
+    assert tooloop("submit").returncode == 2  # missing argument
+    assert tooloop("status", "no-such-run").returncode == 2
+    assert tooloop("watch", "no-such-run").returncode == 2
+    assert tooloop("frobnicate").returncode == 2
+
+
+# -- list and watch ----------------------------------------------------------------------------
+def test_list_in_a_pipe_is_a_plain_table(client, worker, spec) -> None:
+    handle = client.submit(spec([{"content": "listed"}], tenant="lister"))
+    handle.wait(timeout=20)
+    table = tooloop("list", "--tenant", "lister")
+    assert table.returncode == 0
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["run", "status", "exit", "turns", "tokens", "model", "tenant", "created"]
+    assert rows[0].split()[:5] == [handle.run_id, "completed", "default", "1", "30"]
+    assert "\x1b[" not in table.stdout and "─" not in table.stdout  # no rich in a pipe
+    rows = json.loads(tooloop("list", "--json", "--limit", "5").stdout)
+    mine = next(r for r in rows if r["run_id"] == handle.run_id)
+    assert mine["iteration"] == 1 and mine["tenant"] == "lister" and mine["exit"] == "default"
+
+
+def test_watch_replays_a_finished_run_as_plain_lines(client, worker, spec) -> None:
+    handle = client.submit(spec([add_call(), {"content": "5"}], tools=["add"]))
+    handle.wait(timeout=20)
+    watched = tooloop("watch", handle.run_id)
+    assert watched.returncode == 0, watched.stderr
+    expected = [event_line(e) for e in handle.events()]
+    assert watched.stdout.splitlines() == expected
+    assert expected[1:] == [
+        "turn 1 tool_calls=1 tokens=30",
+        "turn 1 tool add success=true",
+        "turn 2 tool_calls=0 tokens=60",
+        "outcome exit=default status=completed turn=2",
+    ]
+
+
+def test_watch_follows_a_live_run_through_a_pipe(client, worker, spec, holds) -> None:
+    release = gate(holds)
+    handle = client.submit(spec([add_call(), {"content": "5", "hold": release}], tools=["add"]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "watch", handle.run_id],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        lines = [proc.stdout.readline().rstrip("\n") for _ in range(3)]
+        assert lines[1:] == ["turn 1 tool_calls=1 tokens=30", "turn 1 tool add success=true"]
+        assert handle.status() == Status.running and proc.poll() is None  # live, still watching
+        release.set()
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert rest.splitlines() == [
+        "turn 2 tool_calls=0 tokens=60",
+        "outcome exit=default status=completed turn=2",
+    ]
+    assert proc.returncode == 0
+
+
+def test_watch_exit_code_follows_the_outcome(client, worker, spec) -> None:
+    handle = client.submit(spec([add_call()], tools=["add"], max_iterations=1))
+    handle.wait(timeout=20)
+    watched = tooloop("watch", handle.run_id)
+    assert watched.returncode == 1
+    assert watched.stdout.splitlines()[-1] == "outcome exit=max_iterations status=failed turn=1"
+
+
+def test_watch_on_a_terminal_draws_with_rich(client, worker, spec) -> None:
+    handle = client.submit(spec([add_call(), {"content": "5"}], tools=["add"]))
+    handle.wait(timeout=20)
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "watch", handle.run_id],
+        stdin=child, stdout=child, stderr=child, cwd=ROOT, env={**os.environ, "COLUMNS": "120"},
+    )  # fmt: skip
+    os.close(child)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([main], [], [], 30)
+            if not ready:
+                break
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the child side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        proc.wait(timeout=30)
+        os.close(main)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0
+    for label in ("status", "turn", "tool calls", "tokens", "elapsed", "completed (default)", "1 (0 failed)"):
+        assert label in text, text
+
+
+# -- control from a second process ---------------------------------------------------------------
+def test_control_commands_change_a_live_run(client, worker, spec, model_server, holds) -> None:
+    release = gate(holds)
+    s = spec([add_call(hold=release), {"content": "steered"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))  # turn 1 in flight on the worker
+
+    paused = tooloop("pause", handle.run_id)
+    assert paused.returncode == 0 and paused.stdout.strip() == f"pause: {handle.run_id} (ok)"
+    assert json.loads(tooloop("status", handle.run_id, "--json").stdout)["status"] == "paused"
+    steered = tooloop("steer", handle.run_id, "Prefer small numbers.")
+    assert steered.returncode == 0, steered.stderr
+    assert tooloop("steer", handle.run_id, "  ").returncode == 2
+    release.set()
+    time.sleep(1.0)
+    assert handle.status() == Status.paused and len(model_server.calls(s["model"])) == 1
+
+    assert tooloop("resume", handle.run_id).returncode == 0
+    result = handle.wait(timeout=30)
+    assert (result.status, result.content) == (Status.completed, "steered")
+    second = model_server.calls(s["model"])[1]["messages"]
+    assert any(m["role"] == "system" and "Prefer small numbers." in m["content"] for m in second)
+    controls = [(e["action"], e.get("by", "")) for e in handle.events() if e["type"] == "control"]
+    assert [a for a, by in controls if by.startswith("cli:")] == ["pause", "steer", "resume"]
+    assert tooloop("pause", handle.run_id).returncode == 1  # already ended
+
+
+def test_abort_command_ends_a_live_run(client, worker, spec, model_server, holds) -> None:
+    release = gate(holds)
+    s = spec([add_call(hold=release), {"content": "never"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    aborted = tooloop("abort", handle.run_id, "--reason", "operator says stop")
+    assert aborted.returncode == 0, aborted.stderr
+    result = handle.result()
+    assert (result.status, result.exit) == (Status.aborted, "aborted")
+    assert "operator says stop" in result.error and "cli:" in result.error
+    assert tooloop("abort", handle.run_id).returncode == 1
+    assert tooloop("abort", "no-such-run").returncode == 2
+
+
+# -- validate ------------------------------------------------------------------------------------
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A folder with one agent: agents/reviewer/{steering,skills}/."""
+    (tmp_path / "agents/reviewer/steering").mkdir(parents=True)
+    (tmp_path / "agents/reviewer/skills").mkdir()
+    (tmp_path / "agents/reviewer/steering/style.md").write_text("Answer in one line.\n")
+    (tmp_path / "agents/reviewer/skills/triage.md").write_text("Sort findings by severity.\n")
+    (tmp_path / "notes.md").write_text("not an agent file\n")
+    return tmp_path
+
+
+def test_validate_steering_files(project, spec, model_server) -> None:
+    base = spec([{"content": "x"}])
+    ok = write_spec(project, {**base, "steering_files": ["agents/reviewer/steering/style.md"],
+                              "skills": ["agents/reviewer/skills/triage.md"]}, "ok.json")  # fmt: skip
+    done = tooloop("validate", str(ok), cwd=project)
+    assert done.returncode == 0 and done.stdout.strip() == f"{ok}: ok" and "warning" not in done.stderr
+
+    missing = write_spec(project, {**base, "steering_files": ["agents/reviewer/steering/gone.md"]}, "w.json")
+    done = tooloop("validate", str(missing), cwd=project)
+    assert done.returncode == 0
+    assert "warning: steering_files.0: 'agents/reviewer/steering/gone.md' not found; skipped" in done.stderr
+
+    outside = write_spec(project, {**base, "steering_files": ["notes.md"], "skills": ["../x.md"]}, "e.json")
+    done = tooloop("validate", str(outside), cwd=project)
+    assert done.returncode == 1
+    assert "error: steering_files.0: 'notes.md'" in done.stderr and "outside the agents folder" in done.stderr
+    assert "error: skills.0: '../x.md'" in done.stderr
+
+    # TOOLOOP_AGENTS_DIR moves the folder; paths may then be written relative to it
+    moved = write_spec(project, {**base, "skills": ["reviewer/skills/triage.md"]}, "m.json")
+    done = tooloop("validate", str(moved), cwd=ROOT, env={"TOOLOOP_AGENTS_DIR": str(project / "agents")})
+    assert done.returncode == 0, done.stderr
+
+
+def test_validate_other_errors(tmp_path, spec, model_server, worker) -> None:
+    unknown_tool = write_spec(tmp_path, spec([{"content": "x"}], tools=["no_such_tool"]))
+    done = tooloop("validate", str(unknown_tool))
+    assert done.returncode == 1 and "no_such_tool" in done.stderr
+    bad_field = write_spec(tmp_path, {**spec([{"content": "x"}]), "max_iterations": 0}, "b.json")
+    done = tooloop("validate", str(bad_field))
+    assert done.returncode == 1 and "max_iterations" in done.stderr
+
+
+def test_validate_the_example_agent() -> None:
+    example = ROOT / "agents/reviewer/example-spec.yaml"
+    done = tooloop("validate", str(example))
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr
