@@ -123,16 +123,6 @@ class JudgeSpec(_Strict):
             raise ValueError("must not be empty")
         return value
 
-    @field_validator("model_params")
-    @classmethod
-    def _no_clear_key(cls, params: dict[str, Any]) -> dict[str, Any]:
-        # Only the run's own model_params are sealed at submit: a literal key here
-        # would sit in Redis in clear.
-        key = params.get("api_key")
-        if key is not None and not str(key).startswith("sealed:"):
-            raise ValueError("a literal api_key would be stored in clear; use api_key_env")
-        return params
-
 
 class SupervisorSpec(_Strict):
     """Without this block no rule, detector or judge runs."""

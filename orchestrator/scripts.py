@@ -286,8 +286,9 @@ return out
 """
 
 # ARGV: key, value, now, maxlen, event fields... -> 1 (set) | 0 (already set)
-# Supervisor bookkeeping: a rule fires at most once per run.
+# Supervisor bookkeeping: a rule fires at most once per run, never after it ended.
 MARK_ONCE = """
+if ended(redis.call('HGET', RUN, 'status')) then return 0 end
 if redis.call('HSETNX', SUP, ARGV[1], ARGV[2]) == 0 then return 0 end
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end

@@ -52,19 +52,41 @@ def check_spec(spec: RunSpec, store: RunStore | None) -> SpecReport:
     report = SpecReport(stored_spec=spec)
     _check_secrets(spec, report)
     _load_agent_docs(spec, store, report)
+    _check_supervisor(spec, report)
     if store is not None:
         _check_tools(spec, store, report)
+    _check_round_trip(report)
     return report
 
 
 def _check_secrets(spec: RunSpec, report: SpecReport) -> None:
+    """Seal literal API keys (the run's and the judge's) before they reach Redis."""
     try:
         sealed = seal_params(spec.model_params)
+        judge = spec.supervisor.judge if spec.supervisor else None
+        judge_sealed = seal_params(judge.model_params) if judge else None
     except SecretError as exc:
         report.errors.append(str(exc))
         return
-    if sealed is not spec.model_params:
-        report.stored_spec = spec.model_copy(update={"model_params": sealed})
+    stored = spec.model_copy(update={"model_params": sealed})
+    if judge is not None and judge_sealed is not judge.model_params:
+        new_judge = judge.model_copy(update={"model_params": judge_sealed})
+        stored.supervisor = spec.supervisor.model_copy(update={"judge": new_judge})
+    report.stored_spec = stored
+
+
+def _check_supervisor(spec: RunSpec, report: SpecReport) -> None:
+    rules = spec.supervisor.rules if spec.supervisor else []
+    if spec.token_budget is None and any(r.when == "budget_fraction" for r in rules):
+        report.warnings.append("supervisor.rules: budget_fraction never fires without token_budget")
+
+
+def _check_round_trip(report: SpecReport) -> None:
+    """Workers re-read the stored spec: it must parse again, or the run could not start."""
+    try:
+        RunSpec.model_validate_json(report.stored_spec.model_dump_json())
+    except ValidationError as exc:
+        report.errors += [f"stored spec does not parse again: {m}" for m in validation_messages(exc)]
 
 
 def _load_agent_docs(spec: RunSpec, store: RunStore | None, report: SpecReport) -> None:

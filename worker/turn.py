@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from celery.utils.log import get_task_logger
+from pydantic import ValidationError
 
 from orchestrator.keys import call_key
 from orchestrator.models import Exit, RunSpec
@@ -35,7 +36,13 @@ def turn(run_id: str, iteration: int) -> None:
 
 
 def run_turn(store: RunStore, run_id: str, iteration: int) -> None:
-    claim = store.claim_turn(run_id, iteration)
+    try:
+        claim = store.claim_turn(run_id, iteration)
+    except ValidationError as exc:  # a spec that no longer parses would be retried forever
+        unreadable = Finish(Exit.error, error=f"stored spec does not parse: {exc}",
+                            error_type="SpecUnreadable")  # fmt: skip
+        store.finish(run_id, unreadable)
+        return
     if isinstance(claim, str):  # ended, paused, stale, busy: nothing to do here
         log.debug("turn %s/%d skipped: %s", run_id, iteration, claim)
         return
@@ -63,26 +70,30 @@ class Turn:
             error = Finish(Exit.error, error=str(exc), error_type=exc.error_type)
             self.store.finish(self.ctx.run_id, error, iterations=self.ctx.iteration)
             return
-        decision = decide(reply.message, self.spec, self.ctx.iteration)
-        if self.act(decision, reply):
-            self.chain.after_turn(self.ctx, decision, reply.tokens)
+        self.act(decide(reply.message, self.spec, self.ctx.iteration), reply)
 
-    def act(self, decision: Finish | RunTools, reply: llm.Reply) -> bool:
-        """Record the reply; dispatch the tool calls. False if the reply was discarded."""
+    def act(self, decision: Finish | RunTools, reply: llm.Reply) -> None:
+        """Record the reply (with its tokens, once), then dispatch the tool calls.
+
+        ``after_turn`` hooks run between the two, so a supervisor steer or pause is
+        in place before any tool call of this turn can finish and start the next turn.
+        """
         run_id, iteration = self.ctx.run_id, self.ctx.iteration
         if isinstance(decision, Finish):
             verdict = self.store.record_finish(run_id, iteration, reply.message, reply.tokens,
                                                decision)  # fmt: skip
-            return verdict == "finished"
+            if verdict == "finished":
+                self.chain.after_turn(self.ctx, decision, reply.tokens)
+            return
         payloads = [self.payload(i, call) for i, call in enumerate(decision.calls)]
         verdict = self.store.record_tool_calls(run_id, iteration, reply.message, reply.tokens,
                                                payloads)  # fmt: skip
         if verdict != "dispatch":  # aborted meanwhile, or a duplicate lost the race
             log.info("turn %s/%d reply discarded: %s", run_id, iteration, verdict)
-            return False
+            return
+        self.chain.after_turn(self.ctx, decision, reply.tokens)
         for payload in payloads:
             enqueue_call(payload)
-        return True
 
     def payload(self, index: int, call: ToolRequest) -> dict[str, Any]:
         """Everything a tool worker needs, so it never reads the spec."""
