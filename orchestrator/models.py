@@ -135,13 +135,23 @@ class SupervisorSpec(_Strict):
 
 
 class SandboxPolicy(_Strict):
-    network: bool = False
-    memory_mb: int = Field(default=1024, ge=16)  # address space per tool call
-    cpu_s: int = Field(default=60, ge=1)  # CPU seconds per tool call
-    max_processes: int = Field(default=64, ge=1)
+    """Per-run limits of every tool call (see docs/sandbox.md for what enforces each)."""
+
+    network: bool = False  # bubblewrap layer only: the forked layer cannot cut the network
+    memory_mb: int = Field(default=1024, ge=16)  # address space per tool process
+    cpu_s: int = Field(default=60, ge=1)  # CPU seconds per tool process
+    max_processes: int = Field(default=64, ge=1)  # processes+threads of a call (worker as root)
     max_file_mb: int = Field(default=256, ge=1)
     max_open_files: int = Field(default=256, ge=16)
     allowed_commands: list[str] | None = None  # shell: first word must be one of these
+
+    @field_validator("allowed_commands")
+    @classmethod
+    def _command_names(cls, names: list[str] | None) -> list[str] | None:
+        bad = [n for n in names or [] if not n or n != n.strip() or any(c.isspace() for c in n)]
+        if bad:
+            raise ValueError(f"allowed_commands must be single words (program names): {bad}")
+        return names
 
 
 class RunSpec(_Strict):

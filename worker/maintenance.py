@@ -133,7 +133,10 @@ class Maintenance(threading.Thread):
 
 
 def worker_info(queues: list[str], tools: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid()}
+    from worker.sandbox import layers  # probes bubblewrap once, before the pool forks
+
+    return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid(),
+            "sandbox": layers()}  # fmt: skip
 
 
 # -- wiring into the Celery worker -----------------------------------------------

@@ -1,27 +1,75 @@
-"""Run one tool call in a child process with limits and a hard deadline.
+"""Run one tool call in a sandbox: least rights, bounded resources, killed as a whole.
 
-The always-on layer: a forked child per call, in its own session, working in
-the run's folder, with rlimits; the whole process group is killed at the
-deadline or when ``on_tick`` says stop (abort). The tool task never waits on a
-call that will not report.
+Three layers; ``docs/sandbox.md`` says what each stops and what it does not.
+
+- ``fork`` (every call; the default for ``@tool`` functions, ~1 ms): a fresh child
+  per call in its own session; cwd = the run's folder; environment reduced to an
+  allowlist; every inherited descriptor but the result pipe pointed at /dev/null;
+  rlimits (CPU soft < hard, address space, file size, open files, processes);
+  ``no_new_privs``; and when the worker is root, a uid of its own
+  (``UID_BASE + pid``) in the run's group (the folder is ``root:<gid> 2770``), so
+  RLIMIT_NPROC bounds it and ``kill(-1)`` as that uid ends exactly its processes.
+- ``exec``: strict calls without bubblewrap: the same, but the tool runs in a fresh
+  interpreter (no copy of the worker's memory), which drops to the call's uid
+  after importing the tool's module.
+- ``bwrap``: that interpreter inside bubblewrap: read-only root, the run folder the
+  only writable path, private /tmp and /run, other runs hidden, no network (unless
+  the policy allows it), its own pid namespace, dead with the worker.
+
+``TOOLOOP_SANDBOX``: ``auto`` (strict tools in bwrap when it works here, the rest
+forked), ``bwrap`` (every call in bwrap; calls are refused if it does not work),
+``basic`` (never bwrap). Whatever the layer, the call's process tree is killed at
+the deadline or when ``on_tick`` says the run is over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
+import inspect
 import json
+import logging
 import os
+import pickle
+import pwd
 import resource
 import select
+import shutil
 import signal
+import stat
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from orchestrator.models import SandboxPolicy
+if TYPE_CHECKING:
+    from orchestrator.models import SandboxPolicy
 
-TICK_S = 0.25
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "bwrap", "basic")
+TICK_S = 0.25  # heartbeat / abort check while a call runs
+EXIT_GRACE_S = 1.0  # a call that reported may take this long to exit before it is killed
+SWEEP_S = 1.0  # bound on killing and reaping what a call left behind
+RESULT_FD = 3  # where the call writes its framed JSON result
+MAX_RESULT_BYTES = 16 << 20
+UID_BASE = 0x7000_0000  # per-call uids: UID_BASE + pid (pid_max <= 2**22)
+UID_SPAN = 1 << 22
+GID_BASE = 0x7100_0000  # per-run groups: GID_BASE + 1 .. GID_BASE + GID_SPAN
+GID_SPAN = 1 << 24
+GID_COUNTER = "/var/lib/tooloop/gid-counter"  # host-wide, so runs of all deployments differ
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ENV_PASSTHROUGH = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+ALLOWED_COMMANDS_ENV = "TOOLOOP_ALLOWED_COMMANDS"  # read by the shell built-in
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 36, 38
+# Python ignores SIGPIPE and SIGXFSZ so that writes fail with an error: kept that way.
+_KEEP = {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
+_RESET_SIGNALS = [s for s in signal.Signals if s not in _KEEP]
 
 
 @dataclass
@@ -38,11 +86,13 @@ class SandboxContext:
     timeout_s: float
     policy: SandboxPolicy
     on_tick: Callable[[], bool] = lambda: True  # False: stop the call now (abort)
+    strict: bool = False  # the strongest layer available (built-ins, @tool(sandbox="strict"))
+    mode: str | None = None  # auto | bwrap | basic; None: TOOLOOP_SANDBOX
+    sandbox_root: str | None = None  # parent of all run folders; None: TOOLOOP_SANDBOX_ROOT
 
 
-def prepare_workdir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path
+class SandboxError(Exception):
+    """The call cannot be run as asked (refused before any tool code runs)."""
 
 
 def jsonable(value: Any) -> Any:
@@ -54,52 +104,745 @@ def jsonable(value: Any) -> Any:
         return str(value)
 
 
+# -- what this host offers ---------------------------------------------------------
+@dataclass(frozen=True)
+class Host:
+    root: bool  # the worker runs as root: per-call uids, RLIMIT_NPROC
+    proc_children: bool  # /proc/<pid>/task/<tid>/children: orphans can be found and reaped
+    bwrap: str | None = None  # path of a bubblewrap that works here
+    bwrap_flags: tuple[str, ...] = ()
+    bwrap_error: str = ""
+
+
+def layers(mode: str | None = None) -> dict[str, bool]:
+    """Which layers are active on this host (published for ``tooloop doctor``)."""
+    host = _host(probe=_mode(mode) != "basic")
+    bwrap = _bwrap_on(mode)
+    _warn_once(mode)
+    return {
+        "fork": True,
+        "rlimits": True,
+        "env_allowlist": True,
+        "fds_closed": True,
+        "no_new_privs": True,
+        "setuid": host.root,
+        "nproc": host.root,
+        "subreaper": host.proc_children,
+        "bwrap": bwrap,
+        "netns": bwrap,
+        "pidns": bwrap,
+        "mountns": bwrap,
+    }
+
+
+def _mode(mode: str | None) -> str:
+    if mode is None:
+        from orchestrator.settings import get_settings
+
+        mode = get_settings().sandbox
+    return mode.strip().lower()
+
+
+def _bwrap_on(mode: str | None) -> bool:
+    return _mode(mode) in ("auto", "bwrap") and _host(probe=True).bwrap is not None
+
+
+@lru_cache(maxsize=2)
+def _host(probe: bool) -> Host:
+    """Probed once per process (a forked pool child inherits its parent's answer)."""
+    root = os.geteuid() == 0
+    children = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+    if not probe:
+        return Host(root, children, bwrap_error="not probed: TOOLOOP_SANDBOX=basic")
+    binary, flags, error = _probe_bwrap(root)
+    return Host(root, children, binary, flags, error)
+
+
+def _probe_bwrap(root: bool) -> tuple[str | None, tuple[str, ...], str]:
+    binary = shutil.which("bwrap", path=SYSTEM_PATH) or shutil.which("bwrap")
+    if binary is None:
+        return None, (), "bubblewrap is not installed (apt-get install -y bubblewrap)"
+    error = ""
+    for flags in _bwrap_flag_sets(root):
+        argv = [binary, *flags, "--unshare-net", *_BASE_MOUNTS, "--", *_probe_command(root)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, (), f"bwrap probe failed: {exc}"
+        if proc.returncode == 0:
+            return binary, flags, ""
+        error = (proc.stderr or proc.stdout).strip()[-300:] or f"exit {proc.returncode}"
+    return None, (), f"bwrap does not work here: {error}"
+
+
+def _bwrap_flag_sets(root: bool) -> list[tuple[str, ...]]:
+    common = ("--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc",
+              "--unshare-uts", "--unshare-cgroup-try", "--hostname", "tooloop")  # fmt: skip
+    if root:
+        # Privileged bwrap (it must read paths a sandbox uid cannot, e.g. /root/.pyenv);
+        # the runner keeps only what it needs to drop to the call's uid, then drops it.
+        caps = ("--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID")
+        return [common + caps]
+    return [(*common, "--unshare-user", "--disable-userns"), (*common, "--unshare-user")]
+
+
+_BASE_MOUNTS = ("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                "--perms", "1777", "--tmpfs", "/tmp")  # fmt: skip
+
+
+def _probe_command(root: bool) -> list[str]:
+    if not root:
+        return ["/bin/sh", "-c", "true"]
+    uid = UID_BASE + os.getpid()  # nobody else holds this uid while we live
+    drop = f"import os; os.setgroups([{uid}]); os.setresgid(*[{uid}]*3); os.setresuid(*[{uid}]*3)"
+    return [sys.executable, "-I", "-S", "-c", drop]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(mode: str | None) -> None:
+    """The loud warnings of worker start: a weaker sandbox than the operator may think."""
+    mode = _mode(mode)
+    if mode in _warned:
+        return
+    _warned.add(mode)
+    host = _host(probe=mode != "basic")
+    lines = []
+    if mode not in MODES:
+        lines.append(f"TOOLOOP_SANDBOX={mode!r} is not one of {MODES}: every tool call is refused.")
+    elif mode == "basic":
+        lines.append("TOOLOOP_SANDBOX=basic: bubblewrap is off; tool calls get the always-layer only.")
+    elif host.bwrap is None:
+        refused = "every tool call is refused" if mode == "bwrap" else "strict tools run without it"
+        lines.append(f"bubblewrap unavailable ({host.bwrap_error}); {refused}.")
+    if lines:
+        lines.append("No network, mount or pid isolation for tool calls (see docs/sandbox.md).")
+    if not host.root:
+        lines.append("The worker is not root: tool calls run as the worker's own user, "
+                     "RLIMIT_NPROC is not applied and a setsid'd child can outlive a call.")  # fmt: skip
+    hidden = [p for p in _python_paths() if not _reachable_by_others(p)]
+    if host.root and hidden:
+        lines.append(f"Python paths unreadable by sandbox uids ({', '.join(hidden[:3])}): "
+                     "outside bwrap, tools cannot import modules lazily or start Python.")  # fmt: skip
+    if lines:
+        bar = "!" * 78
+        log.warning("\n%s\n  TOOL SANDBOX WEAKER THAN IT COULD BE\n  %s\n%s", bar, "\n  ".join(lines), bar)
+
+
+# -- run folders -------------------------------------------------------------------
+def prepare_workdir(path: str, sandbox_root: str | None = None) -> str:
+    """Create the run's folder; when root, hand it to the run's group (``root:<gid> 2770``)."""
+    root = _sandbox_root(sandbox_root)
+    if not os.path.isdir(root):
+        os.makedirs(root, mode=0o711, exist_ok=True)
+    _prepare(path, root)
+    return path
+
+
+def _prepare(path: str, root: str) -> int | None:
+    """Create the folder; the run's group when root (else None)."""
+    os.makedirs(path, exist_ok=True)
+    return _run_gid(os.path.realpath(path), root) if os.geteuid() == 0 else None
+
+
+def _sandbox_root(given: str | None) -> str:
+    if given is not None:
+        return given
+    from orchestrator.settings import get_settings
+
+    return get_settings().sandbox_root
+
+
+def _is_run_gid(gid: int) -> bool:
+    return GID_BASE < gid <= GID_BASE + GID_SPAN
+
+
+def _run_gid(path: str, root: str) -> int:
+    """The run's group, allocated the first time a call runs in this folder."""
+    st = os.lstat(path)
+    if not (_is_run_gid(st.st_gid) and stat.S_IMODE(st.st_mode) == 0o2770):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # two first calls of one run: one group
+            st = os.fstat(fd)
+            if not _is_run_gid(st.st_gid):
+                _adopt_tree(fd, _next_gid(root))
+            os.fchmod(fd, 0o2770)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    _make_reachable(path)
+    return st.st_gid
+
+
+def _next_gid(root: str) -> int:
+    for counter in (GID_COUNTER, os.path.join(root, ".gid-counter")):
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(counter), mode=0o700, exist_ok=True)
+            fd = os.open(counter, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                last = int(os.pread(fd, 32, 0).strip() or 0)
+                n = last % GID_SPAN + 1  # wraps after 16.7 M runs: see docs/sandbox.md
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{n}\n".encode(), 0)
+                return GID_BASE + n
+            finally:
+                os.close(fd)
+    raise SandboxError(f"cannot allocate a group for run folders ({GID_COUNTER} not writable)")
+
+
+def _adopt_tree(dir_fd: int, gid: int) -> None:
+    """Give a folder, and what is already in it, to the run's group.
+
+    Through descriptors opened with O_NOFOLLOW, so a symlink swapped in cannot
+    redirect a chown/chmod outside the folder; hard-linked files are skipped (a
+    link to a file elsewhere would be handed over with it).
+    """
+    for _, dirs, files, fd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
+        for name in dirs + files:
+            _adopt_entry(fd, name, gid)
+    os.fchown(dir_fd, -1, gid)
+
+
+def _adopt_entry(dir_fd: int, name: str, gid: int) -> None:
+    st = os.lstat(name, dir_fd=dir_fd)
+    if stat.S_ISLNK(st.st_mode):
+        os.chown(name, -1, gid, dir_fd=dir_fd, follow_symlinks=False)
+        return
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if not (is_dir or (stat.S_ISREG(st.st_mode) and st.st_nlink == 1)):
+        return
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return  # changed under us: leave it
+    try:
+        os.fchown(fd, -1, gid)
+        extra = 0o2070 if is_dir else 0o060 | (0o010 if st.st_mode & 0o100 else 0)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | extra)
+    finally:
+        os.close(fd)
+
+
+_reachable: set[str] = set()
+
+
+def _make_reachable(path: str) -> None:
+    """Sandbox uids must be able to walk to the run folder: add search (o+x, not read) on
+    its root-owned ancestors; warn about the others."""
+    parent = os.path.dirname(path)
+    if parent in _reachable:
+        return
+    for ancestor in _ancestors(parent):
+        st = os.stat(ancestor)
+        if st.st_mode & stat.S_IXOTH:
+            continue
+        if st.st_uid == 0:
+            os.chmod(ancestor, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+            log.warning("sandbox: added o+x to %s so sandbox uids can reach %s", ancestor, path)
+        else:
+            log.warning("sandbox: %s is not searchable by sandbox uids: %s is unreachable", ancestor, path)
+    _reachable.add(parent)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``['/', '/a', '/a/b', '/a/b/c']``."""
+    out = [path]
+    while path != os.path.dirname(path):
+        path = os.path.dirname(path)
+        out.append(path)
+    return out[::-1]
+
+
+def _reachable_by_others(path: str) -> bool:
+    try:
+        return all(os.stat(a).st_mode & stat.S_IXOTH for a in _ancestors(path))
+    except OSError:
+        return False
+
+
+# -- planning a call (in the worker, before the fork) --------------------------------
+@dataclass
+class _Plan:
+    layer: str  # fork | exec | bwrap
+    workdir: str  # real path of the run folder
+    gid: int | None  # the run's group when the worker is root
+    policy: SandboxPolicy
+    env: dict[str, str]
+    argv: list[str] = field(default_factory=list)  # exec layers: what runs the runner
+    target: tuple[str, str] = ("", "")  # exec layers: module and qualname of the tool
+    kwargs_blob: bytes = b""  # exec layers: the arguments, pickled
+
+
+def _plan(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -> _Plan:
+    mode = _mode(ctx.mode)
+    if mode not in MODES:
+        raise SandboxError(f"TOOLOOP_SANDBOX={mode!r}: use one of {', '.join(MODES)}")
+    layer = _layer(mode, ctx.strict)
+    root = _sandbox_root(ctx.sandbox_root)
+    gid = _prepare(prepare_workdir(ctx.workdir, root), root)
+    workdir = os.path.realpath(ctx.workdir)
+    _check_workdir(workdir)
+    plan = _Plan(layer, workdir, gid, ctx.policy, _environment(workdir, layer, ctx.policy))
+    if layer != "fork":
+        plan.target = _importable(fn)
+        plan.kwargs_blob = _pickled(kwargs)
+        plan.argv = _runner_argv(plan, root)
+    return plan
+
+
+def _layer(mode: str, strict: bool) -> str:
+    if mode == "basic":
+        return "exec" if strict else "fork"
+    bwrap = _host(probe=True).bwrap is not None
+    if mode == "bwrap":
+        if not bwrap:
+            raise SandboxError(f"TOOLOOP_SANDBOX=bwrap but {_host(probe=True).bwrap_error}")
+        return "bwrap"
+    if not strict:
+        return "fork"
+    return "bwrap" if bwrap else "exec"
+
+
+def _check_workdir(workdir: str) -> None:
+    """A run folder is handed to the model: never one holding the worker's own code."""
+    for path in [*_python_paths(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]:
+        if path == workdir or path.startswith(workdir.rstrip("/") + "/"):
+            raise SandboxError(f"run folder {workdir} contains the worker's code ({path})")
+
+
+def _environment(workdir: str, layer: str, policy: SandboxPolicy) -> dict[str, str]:
+    """The allowlist: nothing of the worker's environment (API keys, TOOLOOP_*) gets in."""
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:{SYSTEM_PATH}",
+        "HOME": workdir,
+        "TMPDIR": "/tmp" if layer == "bwrap" else workdir,  # /tmp is private only under bwrap
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+    }
+    env.update({k: os.environ[k] for k in ENV_PASSTHROUGH if k in os.environ})
+    if policy.allowed_commands is not None:
+        env[ALLOWED_COMMANDS_ENV] = json.dumps(policy.allowed_commands)
+    return env
+
+
+def _importable(fn: Callable[..., Any]) -> tuple[str, str]:
+    """Module and qualname that find ``fn`` again in a fresh interpreter."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    found: Any = sys.modules.get(module or "")
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if module in (None, "__main__") or found is not fn:
+        raise SandboxError(
+            f"{module}.{qualname} cannot run in a fresh interpreter: strict tools must be "
+            "module-level functions of an importable module"
+        )
+    return module, qualname
+
+
+def _pickled(kwargs: dict[str, Any]) -> bytes:
+    try:
+        return pickle.dumps(kwargs)
+    except Exception as exc:
+        raise SandboxError(f"the arguments cannot be sent into the sandbox: {exc}") from exc
+
+
+def _runner_argv(plan: _Plan, root: str) -> list[str]:
+    python = [sys.executable, "-I", "-S", "-B", "-c", _runner_source()]
+    if plan.layer == "exec":
+        return python
+    return [*_bwrap_argv(plan, root), "--", *python]
+
+
+def _bwrap_argv(plan: _Plan, sandbox_root: str) -> list[str]:
+    """Read-only host, then empty tmpfs over what the call must not see, then back
+    (read-only) what it needs from under them, then the run folder (writable)."""
+    host = _host(probe=True)
+    assert host.bwrap is not None
+    argv = [host.bwrap, *host.bwrap_flags]
+    if not plan.policy.network:
+        argv.append("--unshare-net")
+    argv += _BASE_MOUNTS
+    masks = ["/tmp", *_masks()]
+    for path in masks[1:]:
+        argv += ["--tmpfs", path]
+    binds = _binds_under(masks, plan.policy.network)
+    for path in binds:
+        argv += [*_parents(path, masks), "--ro-bind", path, path]
+    masks += binds
+    runs = os.path.realpath(sandbox_root)  # every run's folder: hidden, after the binds
+    argv += [*_parents(runs, masks), "--tmpfs", runs]
+    masks.append(runs)
+    argv += [*_parents(plan.workdir, masks), "--bind", plan.workdir, plan.workdir]
+    return [*argv, "--chdir", plan.workdir]
+
+
+def _masks() -> list[str]:
+    """/run (daemon sockets) and what hides Python from the sandbox uid; parents first."""
+    masks = set(_python_masks())
+    if os.path.isdir("/run") and not os.path.islink("/run"):
+        masks.add("/run")
+    return sorted(masks, key=lambda p: (p.count("/"), p))
+
+
+def _parents(path: str, masks: list[str]) -> list[str]:
+    """Searchable folders between the innermost mask holding ``path`` and ``path``
+    (bwrap would create them 0700: the sandbox uid could not walk through)."""
+    holders = [m for m in masks if _inside(path, m) and m != path]
+    if not holders:
+        return []
+    mask = max(holders, key=len)
+    between = [a for a in _ancestors(os.path.dirname(path)) if _inside(a, mask) and a != mask]
+    return [arg for folder in between for arg in ("--perms", "0755", "--dir", folder)]
+
+
+@lru_cache(maxsize=1)
+def _python_masks() -> frozenset[str]:
+    if os.geteuid() != 0:  # bwrap runs as the worker's user: hide its home instead
+        home = pwd.getpwuid(os.getuid()).pw_dir
+        return frozenset({home} if home not in ("/", "") else set())
+    masks = set()
+    for path in _python_paths():
+        blocking = [a for a in _ancestors(path) if not os.stat(a).st_mode & stat.S_IXOTH]
+        if blocking:
+            masks.add(blocking[0])
+    return frozenset(masks)
+
+
+def _binds_under(masks: list[str], network: bool) -> list[str]:
+    """Python paths (and DNS config when the network is on) hidden by a mask."""
+    wanted = list(_python_paths())
+    if network and os.path.exists("/etc/resolv.conf"):
+        wanted.append(os.path.realpath("/etc/resolv.conf"))
+    return [p for p in wanted if any(_inside(p, m) for m in masks)]
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+@lru_cache(maxsize=1)
+def _python_paths() -> tuple[str, ...]:
+    """Where this interpreter and its modules live, outermost only."""
+    candidates = {os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
+                  sys.prefix, sys.base_prefix, sys.exec_prefix, *_module_path()}  # fmt: skip
+    real = {os.path.realpath(p) for p in candidates if p and os.path.exists(p)}
+    return tuple(sorted(p for p in real if not any(q != p and _inside(p, q) for q in real)))
+
+
+@lru_cache(maxsize=1)
+def _module_path() -> tuple[str, ...]:
+    """The worker's ``sys.path`` as absolute paths ('' is the worker's cwd, not the run's)."""
+    return tuple(os.path.abspath(p or os.getcwd()) for p in sys.path if os.path.exists(p or "."))
+
+
+# -- running a call ------------------------------------------------------------------
 def run_call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -> CallOutcome:
     started = time.perf_counter()
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        os.close(read_fd)
-        _child(fn, kwargs, ctx, write_fd)
-    os.close(write_fd)
     try:
-        outcome = _collect(pid, read_fd, ctx)
-    finally:
-        os.close(read_fd)
+        plan = _plan(fn, kwargs, ctx)
+    except (SandboxError, OSError) as exc:
+        outcome = CallOutcome(False, error=f"SandboxError: {exc}")
+    else:
+        outcome = _Call(plan, ctx).run(fn, kwargs)
     outcome.duration_ms = round((time.perf_counter() - started) * 1000, 3)
     return outcome
 
 
-def _child(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext, fd: int) -> None:
-    code = 0
-    try:
-        os.setsid()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        os.chdir(ctx.workdir)
-        _limit(ctx.policy)
+class _Call:
+    """The worker's side of one call: fork, watch, kill what is left, decode."""
+
+    def __init__(self, plan: _Plan, ctx: SandboxContext) -> None:
+        self.plan, self.ctx = plan, ctx
+        self.root = os.geteuid() == 0
+        self.pid = 0
+        self.exited = False
+
+    def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
+        _become_subreaper()
+        before = set() if self.root else set(_children())
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        self.pid = os.fork()
+        if self.pid == 0:  # child: never returns
+            _child(self.plan, fn, kwargs, write_fd, parent)
+        os.close(write_fd)
+        pidfd = os.pidfd_open(self.pid)
         try:
-            payload = {"ok": jsonable(fn(**kwargs))}
-        except BaseException as exc:  # the model sees every failure, whatever its type
-            payload = {"error": f"{type(exc).__name__}: {exc}"}
-        data = json.dumps(payload).encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    except BaseException:
-        code = 1
+            reader = _Reader()
+            stopped = self._watch(read_fd, pidfd, reader)
+            status = self._finish(reader, stopped is None)
+        finally:
+            os.close(pidfd)
+            os.close(read_fd)
+            _sweep(self._ours(before))
+        return CallOutcome(False, error=stopped) if stopped else _decode(reader, status, self.plan.layer)
+
+    def _watch(self, read_fd: int, pidfd: int, reader: _Reader) -> str | None:
+        """Until the process exits (or reported and lingers): None, else why it is stopped."""
+        os.set_blocking(read_fd, False)
+        deadline = time.monotonic() + self.ctx.timeout_s
+        next_tick = time.monotonic() + TICK_S
+        watched = [read_fd, pidfd]
+        while not self.exited:
+            now = time.monotonic()
+            if reader.complete:  # give it a moment to exit on its own
+                deadline = min(deadline, reader.complete_at + EXIT_GRACE_S)
+                if now >= deadline:
+                    return None
+            elif now >= deadline:
+                return f"Timeout: tool call exceeded {self.ctx.timeout_s:g}s"
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                if not self.ctx.on_tick():
+                    return "Aborted: the run ended while the tool ran"
+            ready, _, _ = select.select(watched, [], [], max(0.0, min(deadline, next_tick) - now))
+            if read_fd in ready and not reader.pull(read_fd):
+                watched.remove(read_fd)  # EOF; the process may still run
+            if pidfd in ready:
+                self.exited = True
+                reader.drain(read_fd)
+            if reader.overflow:
+                return f"OutputTooLarge: the tool's output exceeds {MAX_RESULT_BYTES >> 20} MiB"
+        return None
+
+    def _finish(self, reader: _Reader, clean_stop: bool) -> int:
+        """Kill the call's processes (all of them) and reap the call's own process."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # its session, whatever its uid
+        if not self.exited:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            status = 0
+        reported = clean_stop and reader.complete and os.WIFEXITED(status) and status == 0
+        if self.root and not reported:  # it did not get to kill(-1) its own uid: we do
+            _kill_uid(UID_BASE + self.pid)
+        return status
+
+    def _ours(self, before: set[int]) -> Callable[[int], bool]:
+        """Which children of this process (as subreaper) belong to sandboxed calls."""
+        if self.root:
+            return lambda pid: UID_BASE <= (_proc_uid(pid) or 0) < UID_BASE + UID_SPAN
+        return lambda pid: pid not in before
+
+
+class _Reader:
+    """The framed result: 8-byte big-endian length, then that much JSON."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.complete_at = 0.0
+
+    @property
+    def size(self) -> int | None:
+        return int.from_bytes(self.buf[:8], "big") if len(self.buf) >= 8 else None
+
+    @property
+    def complete(self) -> bool:
+        size = self.size
+        return size is not None and len(self.buf) >= 8 + size
+
+    @property
+    def overflow(self) -> bool:
+        return (self.size or 0) > MAX_RESULT_BYTES or len(self.buf) > MAX_RESULT_BYTES + 8
+
+    def pull(self, fd: int) -> bool:
+        """One read; False on EOF."""
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        self.buf += chunk
+        if self.complete and not self.complete_at:
+            self.complete_at = time.monotonic()
+        return bool(chunk)
+
+    def drain(self, fd: int) -> None:
+        while not self.overflow and self.pull(fd):
+            if not select.select([fd], [], [], 0)[0]:
+                return
+
+    def payload(self) -> dict[str, Any] | None:
+        if not self.complete:
+            return None
+        return json.loads(bytes(self.buf[8 : 8 + (self.size or 0)]))
+
+
+def _decode(reader: _Reader, status: int, layer: str) -> CallOutcome:
+    try:
+        payload = reader.payload()
+    except ValueError:  # a tool that wrote on the result pipe itself
+        return CallOutcome(False, error="Crashed: the tool process sent an unreadable result")
+    if payload is not None:
+        if "ok" in payload:
+            return CallOutcome(True, output=payload["ok"])
+        return CallOutcome(False, error=payload["error"])
+    signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
+    if layer == "bwrap" and code > 128:  # bwrap exits 128 + the signal that killed the tool
+        signum, code = code - 128, 0
+    if signum:
+        name = signal.Signals(signum).name if signum in set(signal.Signals) else str(signum)
+        return CallOutcome(False, error=f"Killed: tool process died on {name} (a limit?)")
+    return CallOutcome(False, error=f"Crashed: tool process exited {code}")
+
+
+# -- killing what a call leaves behind -----------------------------------------------
+def _become_subreaper() -> None:
+    """Orphans of a call (``setsid`` + double fork) are re-parented to us, not to init:
+    we can find, kill and reap them. Not inherited over fork: once per process."""
+    if _subreaper_pid[0] != os.getpid():
+        _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _subreaper_pid[0] = os.getpid()
+
+
+_subreaper_pid = [0]
+
+
+@lru_cache(maxsize=1)
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def _proc_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _sweep(ours: Callable[[int], bool]) -> None:
+    """Kill and reap the call's orphans, round after round (killing one re-parents its
+    children to us), for at most SWEEP_S."""
+    deadline = time.monotonic() + SWEEP_S
+    while time.monotonic() < deadline:
+        kids = [pid for pid in _children() if ours(pid)]
+        if not kids:
+            return
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in kids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.001)
+    log.warning("sandbox: orphans of a tool call still alive after %.1fs", SWEEP_S)
+
+
+def _kill_uid(uid: int) -> None:
+    """``kill(-1)`` as ``uid``: every process of that uid, atomically (a fork bomb cannot
+    outrun it), escaped sessions included. Never as root: that would kill the host."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresuid(uid, uid, uid)
+            if uid != 0 and os.getresuid() == (uid, uid, uid):
+                os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+# -- the call's process ---------------------------------------------------------------
+def _child(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any], write_fd: int,
+           parent: int) -> NoReturn:  # fmt: skip
+    code = 1
+    try:
+        os.dup2(write_fd, RESULT_FD)  # first: errors below are reported through it
+        _isolate(plan)
+        if plan.layer == "fork":
+            _confine(plan, parent, drop=plan.gid is not None)
+            code = _serve(plan, fn, kwargs)
+        else:
+            _exec_runner(plan, parent)
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
     finally:
         os._exit(code)
 
 
-def _limit(policy: SandboxPolicy) -> None:
+def _isolate(plan: _Plan) -> None:
+    """Session, signals, descriptors, folder, environment: nothing of the worker's."""
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in _RESET_SIGNALS:  # none of the worker's handlers (Celery's SIGTERM...)
+        if signal.getsignal(sig) not in (signal.SIG_DFL, None):
+            signal.signal(sig, signal.SIG_DFL)
+    _stdio_to_devnull(neutralize_rest=plan.layer == "fork")
+    os.chdir(plan.workdir)
+    os.umask(0o007)  # files stay the run's group's
+    if plan.layer == "fork":
+        os.environ.clear()
+        os.environ.update(plan.env)
+
+
+def _confine(plan: _Plan, parent: int, drop: bool) -> None:
+    """Limits, no_new_privs, the call's uid, death with the worker."""
+    _limit(plan.policy, nproc=os.geteuid() == 0, fork=plan.layer == "fork")
+    libc = _libc()
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries gain nothing
+    if drop:
+        assert plan.gid is not None
+        _drop(UID_BASE + os.getpid(), plan.gid)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the drop, which clears it
+    if os.getppid() != parent:
+        raise SandboxError("the worker died")
+
+
+def _stdio_to_devnull(neutralize_rest: bool) -> None:
+    """0-2 -> /dev/null; every other inherited descriptor (Redis sockets, the broker
+    connection, log files) is closed, or, in the forked interpreter whose objects
+    still hold those numbers, pointed at /dev/null so no number is reused under them."""
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != null:
+            os.dup2(null, fd)
+    if not neutralize_rest:
+        os.closerange(RESULT_FD + 1, 1 << 20)
+        return
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > RESULT_FD and fd != null:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
+    if null > RESULT_FD:
+        os.close(null)
+
+
+def _limit(policy: SandboxPolicy, nproc: bool, fork: bool) -> None:
     mb = 1024 * 1024
+    memory = policy.memory_mb * mb
+    if fork:  # the forked worker's own mappings are not the call's to spend
+        memory += _address_space()
     limits = {
-        resource.RLIMIT_CPU: (policy.cpu_s, policy.cpu_s + 1),
-        resource.RLIMIT_AS: (policy.memory_mb * mb, policy.memory_mb * mb),
+        resource.RLIMIT_CPU: (policy.cpu_s, policy.cpu_s + 1),  # SIGXCPU, then SIGKILL
+        resource.RLIMIT_AS: (memory, memory),
         resource.RLIMIT_FSIZE: (policy.max_file_mb * mb, policy.max_file_mb * mb),
         resource.RLIMIT_NOFILE: (policy.max_open_files, policy.max_open_files),
+        resource.RLIMIT_CORE: (0, 0),  # a core file would hold the worker's memory
     }
+    if nproc:  # counted per real uid: meaningful only with a uid of the call's own
+        limits[resource.RLIMIT_NPROC] = (policy.max_processes, policy.max_processes)
     for which, (soft, hard) in limits.items():
         _, current_hard = resource.getrlimit(which)
         if current_hard != resource.RLIM_INFINITY:
@@ -107,51 +850,176 @@ def _limit(policy: SandboxPolicy) -> None:
         resource.setrlimit(which, (soft, hard))
 
 
-def _collect(pid: int, fd: int, ctx: SandboxContext) -> CallOutcome:
-    deadline = time.monotonic() + ctx.timeout_s
-    chunks: list[bytes] = []
-    next_tick = time.monotonic() + TICK_S
-    while True:
-        now = time.monotonic()
-        if now >= deadline:
-            _kill(pid)
-            return CallOutcome(False, error=f"Timeout: tool call exceeded {ctx.timeout_s:g}s")
-        if now >= next_tick:
-            next_tick = now + TICK_S
-            if not ctx.on_tick():
-                _kill(pid)
-                return CallOutcome(False, error="Aborted: the run ended while the tool ran")
-        ready, _, _ = select.select([fd], [], [], max(0.0, min(deadline, next_tick) - now))
-        if not ready:
-            continue
-        chunk = os.read(fd, 1 << 16)
-        if chunk:
-            chunks.append(chunk)
-            continue
-        break  # EOF: the child wrote its result or died
-    _, status = os.waitpid(pid, 0)
-    _kill_group(pid)  # anything the call left behind in its group
-    return _decode(b"".join(chunks), status)
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
 
 
-def _decode(data: bytes, status: int) -> CallOutcome:
-    if data:
-        payload = json.loads(data)
-        if "ok" in payload:
-            return CallOutcome(True, output=payload["ok"])
-        return CallOutcome(False, error=payload["error"])
-    if os.WIFSIGNALED(status):
-        name = signal.Signals(os.WTERMSIG(status)).name
-        return CallOutcome(False, error=f"Killed: tool process died on {name} (a limit?)")
-    return CallOutcome(False, error=f"Crashed: tool process exited {os.WEXITSTATUS(status)}")
+def _drop(uid: int, gid: int) -> None:
+    os.setgroups([gid])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise SandboxError("could not drop to the call's uid")
 
 
-def _kill(pid: int) -> None:
-    _kill_group(pid)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+def _serve(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int:
+    try:
+        payload = {"ok": jsonable(fn(**kwargs))}
+    except BaseException as exc:  # the model sees every failure, whatever its type
+        payload = {"error": f"{type(exc).__name__}: {exc}"}
+    _report(payload)
+    if plan.gid is not None:
+        _kill_own_uid()
+    return 0
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+def _kill_own_uid() -> None:
+    """End whatever the call started (setsid'd or not) before reporting the end."""
+    uid = os.getuid()
+    if uid != 0 and os.geteuid() != 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)  # all processes of this uid but this one
+
+
+def _report(payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    if len(data) > MAX_RESULT_BYTES:
+        data = json.dumps({"error": f"OutputTooLarge: {len(data)} bytes of output"}).encode()
+    view = memoryview(len(data).to_bytes(8, "big") + data)
+    while view:
+        view = view[os.write(RESULT_FD, view) :]
+
+
+def _exec_runner(plan: _Plan, parent: int) -> NoReturn:
+    """Replace this process with the runner; its request arrives on stdin (a memfd).
+    The request is written before the limits: this process is still the worker's size."""
+    uid = UID_BASE + os.getpid()
+    request = {
+        "path": [p for p in _module_path() if not _inside(p, plan.workdir)],
+        "module": plan.target[0],
+        "qualname": plan.target[1],
+        "kwargs": plan.kwargs_blob,
+        "drop": (uid, plan.gid) if plan.gid is not None else None,
+        "parent": parent if plan.layer == "exec" else None,  # outside bwrap: re-arm pdeathsig
+    }
+    fd = os.memfd_create("tooloop-call", 0)
+    os.write(fd, pickle.dumps(request))
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 0)
+    os.close(fd)
+    _confine(plan, parent, drop=False)  # the runner drops, after importing the tool
+    os.execve(plan.argv[0], plan.argv, plan.env)
+
+
+# -- the runner: source shipped to a fresh ``python -I -S -B -c`` ----------------------
+# These functions run in the sandbox, not in the worker: standard library only,
+# imported inside them, so the sandbox never imports this module (nor pydantic).
+def _runner_main() -> None:
+    import contextlib
+    import json  # noqa: F401  (before the drop: the call's uid may not read the stdlib)
+    import os
+    import pickle
+    import sys
+
+    chunks = [os.read(0, 1 << 20)]
+    while chunks[-1]:
+        chunks.append(os.read(0, 1 << 20))
+    request = pickle.loads(b"".join(chunks))
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.path[:] = request["path"]
+    code, payload = 1, None
+    try:
+        fn = _runner_import(request["module"], request["qualname"])
+        kwargs = pickle.loads(request["kwargs"])
+        if request["drop"]:
+            _runner_drop(*request["drop"], request["parent"])
+    except BaseException as exc:
+        payload = {"error": f"SandboxError: cannot start the tool: {type(exc).__name__}: {exc}"}
+    if payload is None:
+        payload, code = _runner_call(fn, kwargs), 0
+    _runner_report(payload)
+    if request["drop"] and os.getuid() != 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, 9)  # whatever the tool started, escaped sessions included
+    os._exit(code)
+
+
+def _runner_import(module: str, qualname: str) -> object:
+    """The tool's function. ``worker.registry`` is first replaced by pass-through
+    decorators (the sandbox needs the function, not its schema: no pydantic import);
+    a module that needs more of it is imported again for real."""
+    import importlib
+    import sys
+    import types
+
+    before = set(sys.modules)
+    stub = types.ModuleType("worker.registry")
+    stub.tool = lambda fn=None, /, **_: fn if fn is not None else (lambda f: f)
+    stub.builtin_tool = lambda fn: fn
+    stub.Tool = stub.ToolDef = object
+    stub.REGISTRY = {}
+    sys.modules.setdefault("worker.registry", stub)
+    try:
+        found = importlib.import_module(module)
+    except (ImportError, AttributeError):
+        for name in set(sys.modules) - before:
+            del sys.modules[name]
+        found = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _runner_drop(uid: int, gid: int, parent: int | None) -> None:
+    import ctypes
+    import os
+
+    os.setgroups([gid])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    try:
+        os.setuid(0)
+    except PermissionError:
+        pass
+    else:
+        raise PermissionError("still able to become root after dropping privileges")
+    if parent is not None:  # outside bwrap nothing else ties this process to the worker
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _runner_call(fn: object, kwargs: dict) -> dict:
+    import json
+
+    try:
+        value = fn(**kwargs)
+    except BaseException as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        value = str(value)
+    return {"ok": value}
+
+
+def _runner_report(payload: dict) -> None:
+    import json
+    import os
+
+    data = json.dumps(payload).encode()
+    view = memoryview(len(data).to_bytes(8, "big") + data)
+    while view:
+        view = view[os.write(3, view) :]
+
+
+_RUNNER_FUNCTIONS = (_runner_import, _runner_drop, _runner_call, _runner_report, _runner_main)
+
+
+@lru_cache(maxsize=1)
+def _runner_source() -> str:
+    parts = [textwrap.dedent(inspect.getsource(f)) for f in _RUNNER_FUNCTIONS]
+    return "from __future__ import annotations\n\n" + "\n\n".join(parts) + "\n_runner_main()\n"

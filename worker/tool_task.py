@@ -83,11 +83,15 @@ class ToolCall:
         timeout = self.p["timeout_s"]
         if self.tool.timeout_s is not None:
             timeout = min(timeout, self.tool.timeout_s)
+        settings = self.store.settings
         return SandboxContext(
-            workdir=prepare_workdir(self._run_dir()),
+            workdir=prepare_workdir(self._run_dir(), settings.sandbox_root),
             timeout_s=timeout,
             policy=SandboxPolicy.model_validate(self.p.get("policy") or {}),
             on_tick=self._still_ours,
+            strict=self.tool.sandbox == "strict",
+            mode=settings.sandbox,
+            sandbox_root=settings.sandbox_root,
         )
 
     def _still_ours(self) -> bool:
