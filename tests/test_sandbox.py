@@ -539,3 +539,14 @@ def test_e2e_doctor_tells_which_layers_are_on(sbx) -> None:
     tools = next(w for name, w in workers.items() if name.startswith("tools@"))
     assert tools["sandbox"]["bwrap"] is (sbx.mode == "auto" and BWRAP)
     assert tools["sandbox"]["setuid"] is IS_ROOT and tools["sandbox"]["rlimits"] is True
+
+
+@needs_root
+def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    os.chown(root, 12345, 12345)  # e.g. /tmp/tooloop made first by a local user
+    ctx = SandboxContext(str(root / "r1"), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic")
+    assert sandbox.prepare_workdir(ctx.workdir, str(root)) == ctx.workdir  # never raises
+    outcome = run_call(hostile.identity, {}, ctx)
+    assert not outcome.ok and "belongs to uid 12345" in (outcome.error or "")

@@ -232,18 +232,37 @@ def _warn_once(mode: str | None) -> None:
 
 # -- run folders -------------------------------------------------------------------
 def prepare_workdir(path: str, sandbox_root: str | None = None) -> str:
-    """Create the run's folder; when root, hand it to the run's group (``root:<gid> 2770``)."""
-    root = _sandbox_root(sandbox_root)
-    if not os.path.isdir(root):
-        os.makedirs(root, mode=0o711, exist_ok=True)
-    _prepare(path, root)
+    """Create the run's folder; when root, hand it to the run's group (``root:<gid> 2770``).
+    Never raises: a folder that cannot be prepared fails the call (``run_call``), not the task."""
+    try:
+        _prepare(path, _sandbox_root(sandbox_root))
+    except (OSError, SandboxError) as exc:
+        log.warning("sandbox: cannot prepare %s: %s", path, exc)
     return path
 
 
 def _prepare(path: str, root: str) -> int | None:
     """Create the folder; the run's group when root (else None)."""
+    _check_root(root)
     os.makedirs(path, exist_ok=True)
     return _run_gid(os.path.realpath(path), root) if os.geteuid() == 0 else None
+
+
+_checked_roots: set[str] = set()
+
+
+def _check_root(root: str) -> None:
+    """The folder of all runs: a real folder, and (when root) root's own. A folder in
+    /tmp made by someone else would let them swap run folders for symlinks."""
+    if root in _checked_roots:
+        return
+    os.makedirs(root, mode=0o711, exist_ok=True)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SandboxError(f"sandbox root {root} is not a folder (a symlink?)")
+    if os.geteuid() == 0 and st.st_uid != 0:
+        raise SandboxError(f"sandbox root {root} belongs to uid {st.st_uid}, not root")
+    _checked_roots.add(root)
 
 
 def _sandbox_root(given: str | None) -> str:
@@ -383,7 +402,7 @@ def _plan(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -
         raise SandboxError(f"TOOLOOP_SANDBOX={mode!r}: use one of {', '.join(MODES)}")
     layer = _layer(mode, ctx.strict)
     root = _sandbox_root(ctx.sandbox_root)
-    gid = _prepare(prepare_workdir(ctx.workdir, root), root)
+    gid = _prepare(ctx.workdir, root)
     workdir = os.path.realpath(ctx.workdir)
     _check_workdir(workdir)
     plan = _Plan(layer, workdir, gid, ctx.policy, _environment(workdir, layer, ctx.policy))
@@ -916,7 +935,6 @@ def _exec_runner(plan: _Plan, parent: int) -> NoReturn:
 # These functions run in the sandbox, not in the worker: standard library only,
 # imported inside them, so the sandbox never imports this module (nor pydantic).
 def _runner_main() -> None:
-    import contextlib
     import json  # noqa: F401  (before the drop: the call's uid may not read the stdlib)
     import os
     import pickle
@@ -942,8 +960,10 @@ def _runner_main() -> None:
         payload, code = _runner_call(fn, kwargs), 0
     _runner_report(payload)
     if request["drop"] and os.getuid() != 0:
-        with contextlib.suppress(ProcessLookupError):
+        try:  # noqa: SIM105  (contextlib would cost an import here)
             os.kill(-1, 9)  # whatever the tool started, escaped sessions included
+        except ProcessLookupError:
+            pass
     os._exit(code)
 
 

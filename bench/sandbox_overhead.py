@@ -1,0 +1,134 @@
+"""Per-call overhead of each sandbox layer, measured in one run, rounds interleaved.
+
+Timed, in a process that has imported the tool worker's modules (so a fork copies
+what a Celery pool child's fork copies):
+  in-process   ``add(2, 3)`` called directly: no sandbox at all;
+  bare fork    ``os.fork()`` + ``_exit`` + ``waitpid``: the floor of any forked layer;
+  fork         ``run_call`` of a default ``@tool`` (the always-layer);
+  exec         ``run_call`` of a strict tool, TOOLOOP_SANDBOX=basic (fresh interpreter);
+  bwrap        ``run_call`` of a strict tool in bubblewrap;
+  bwrap shell  the ``shell`` built-in running ``true`` in bubblewrap.
+Reported: median per call (ms) and the ratio to the fork layer.
+
+    python bench/sandbox_overhead.py [--rounds 5] [--calls 40]
+"""
+
+# Imports stay inside functions: strict layers import this module afresh in the
+# sandbox to find ``add``, and that import is part of what is measured.
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def bare_fork() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def layer_calls(root: str) -> dict[str, Callable[[], Any]]:
+    import uuid
+
+    from bench.sandbox_overhead import add  # importable by name, unlike __main__.add
+    from orchestrator.models import SandboxPolicy
+    from worker import builtins, sandbox
+    from worker.sandbox import SandboxContext, run_call
+
+    run = os.path.join(root, f"run-{uuid.uuid4().hex[:8]}")
+    policy = SandboxPolicy()
+
+    def ctx(strict: bool, mode: str) -> SandboxContext:
+        return SandboxContext(run, 30, policy, strict=strict, mode=mode, sandbox_root=root)
+
+    def sandboxed(fn: Callable[..., Any], kwargs: dict[str, Any], strict: bool, mode: str) -> Any:
+        outcome = run_call(fn, kwargs, ctx(strict, mode))
+        assert outcome.ok, outcome.error
+        return outcome.output
+
+    calls: dict[str, Callable[[], Any]] = {
+        "in-process": lambda: sandbox.jsonable(add(2, 3)),
+        "bare fork": bare_fork,
+        "fork": lambda: sandboxed(add, {"a": 2, "b": 3}, False, "basic"),
+        "exec": lambda: sandboxed(add, {"a": 2, "b": 3}, True, "basic"),
+    }
+    if sandbox.layers("auto")["bwrap"]:
+        calls["bwrap"] = lambda: sandboxed(add, {"a": 2, "b": 3}, True, "bwrap")
+        shell = {"command": "true", "sandbox_root": run}
+        calls["bwrap shell"] = lambda: sandboxed(builtins.shell, shell, True, "bwrap")
+    return calls
+
+
+def per_call_ms(fn: Callable[[], Any], calls: int) -> float:
+    fn()  # warm: first fork of a layer, probes, caches
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) / calls * 1000
+
+
+def measure(rounds: int, calls: int) -> dict[str, float]:
+    import tempfile
+
+    from bench.common import median
+
+    root = tempfile.mkdtemp(prefix="tooloop-bench-sbx-")
+    layers = layer_calls(root)
+    samples: dict[str, list[float]] = {name: [] for name in layers}
+    for _ in range(rounds):  # interleaved: load changes hit every layer alike
+        for name, fn in layers.items():
+            n = calls if name in ("in-process", "bare fork", "fork") else max(5, calls // 4)
+            samples[name].append(per_call_ms(fn, n * (100 if name == "in-process" else 1)))
+    return {name: median(values) for name, values in samples.items()}
+
+
+def report(results: dict[str, float], rounds: int, calls: int) -> str:
+    import platform
+    import resource
+
+    from worker.sandbox import layers
+
+    fork = results["fork"]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    lines = [
+        f"# python bench/sandbox_overhead.py --rounds {rounds} --calls {calls}",
+        f"# {platform.platform()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}, "
+        f"uid {os.geteuid()}, process max RSS {rss} MiB",
+        f"# layers on: {', '.join(k for k, on in layers('auto').items() if on)}",
+        f"{'layer':<12} {'ms/call':>9} {'x fork':>8}",
+    ]
+    for name, ms in results.items():
+        lines.append(f"{name:<12} {ms:>9.3f} {ms / fork:>8.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    from bench.common import write_result
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=40)
+    args = parser.parse_args()
+    os.environ.setdefault("TOOLOOP_SANDBOX_ROOT", tempfile.mkdtemp(prefix="tooloop-bench-"))
+    import worker.tool_task  # noqa: F401  (fork copies what a tool worker's pool child holds)
+
+    text = report(measure(args.rounds, args.calls), args.rounds, args.calls)
+    print(text, end="")
+    print(f"written to {write_result('sandbox_overhead', text)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
