@@ -61,6 +61,13 @@ def environment() -> dict:
 
 
 @_both
+def proc_environ() -> str:
+    """The environment block as the kernel keeps it (a forked process keeps its parent's)."""
+    with open("/proc/self/environ", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+@_both
 def inherited_fds() -> dict:
     """Every open descriptor and what it points at (a socket would be the worker's)."""
     out = {}

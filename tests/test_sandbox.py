@@ -235,6 +235,8 @@ def test_the_environment_holds_no_secret(layer: Layer) -> None:
     env = layer.ok(hostile.environment)
     assert "OPENAI_API_KEY" not in env and not any(k.startswith("TOOLOOP_") for k in env)
     assert not any(s in v for v in env.values() for s in ("sk-test", "test-secret")), env
+    block = layer.call(hostile.proc_environ)
+    assert not block.ok or ("sk-test" not in block.output and "test-secret" not in block.output)
     shell = layer.ok(builtins.shell, command="env", sandbox_root=(run := new_run()), run=run)
     assert "sk-test" not in shell["stdout"] and "TOOLOOP_SECRET_KEY" not in shell["stdout"]
     assert "PATH=" in shell["stdout"]

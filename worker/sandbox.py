@@ -66,7 +66,7 @@ GID_COUNTER = "/var/lib/tooloop/gid-counter"  # host-wide, so runs of all deploy
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ENV_PASSTHROUGH = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
 ALLOWED_COMMANDS_ENV = "TOOLOOP_ALLOWED_COMMANDS"  # read by the shell built-in
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 36, 38
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 # Python ignores SIGPIPE and SIGXFSZ so that writes fail with an error: kept that way.
 _KEEP = {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
 _RESET_SIGNALS = [s for s in signal.Signals if s not in _KEEP]
@@ -820,6 +820,9 @@ def _confine(plan: _Plan, parent: int, drop: bool) -> None:
     _limit(plan.policy, nproc=os.geteuid() == 0, fork=plan.layer == "fork")
     libc = _libc()
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries gain nothing
+    # Its /proc/self/environ still shows the worker's environment block (a forked copy):
+    # not dumpable, /proc/self/* belongs to root. (Setting a new uid does this too.)
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     if drop:
         assert plan.gid is not None
         _drop(UID_BASE + os.getpid(), plan.gid)
