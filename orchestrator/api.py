@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from orchestrator.views import RunSummary
 
 BLOCK_MS = 5000  # one XREAD BLOCK; also how often a follower re-checks its connection
 HEARTBEAT_S = 15.0  # an SSE comment when idle this long: keeps proxies from timing out
+SHUTDOWN_GRACE_S = 5  # open event streams of live runs must not hold up a restart
+STREAM_ID = re.compile(r"\d+(-\d+)?")  # a Redis Stream id, as sent back in Last-Event-ID
 
 
 @dataclass
@@ -139,7 +142,10 @@ async def run_events(
     Each event is `id: <stream id>`, `event: <type>` and `data: <JSON of its fields>`.
     A finished run replays its events and the stream ends.
     """
-    stream = follow(api, request, run_id, after=last_event_id or "0")
+    after = last_event_id or "0"
+    if not STREAM_ID.fullmatch(after):
+        raise HTTPException(400, f"Last-Event-ID {after!r} is not a stream id (like 1700000000000-0)")
+    stream = follow(api, request, run_id, after)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
@@ -283,4 +289,6 @@ def health(api: Api) -> dict[str, Any]:
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     import uvicorn
 
-    uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        create_app(), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )

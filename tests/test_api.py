@@ -177,6 +177,8 @@ def test_events_of_a_finished_run_replay_and_end(http, client, worker, spec) -> 
         "GET", f"/api/runs/{handle.run_id}/events", headers={"Last-Event-ID": events[2]["id"]}
     ) as response:
         assert [e["type"] for e in sse_events(response)] == ["iteration", "outcome"]
+    bad = http.get(f"/api/runs/{handle.run_id}/events", headers={"Last-Event-ID": "yesterday"})
+    assert bad.status_code == 400
 
 
 def test_events_are_live(http, client, worker, spec, holds) -> None:
@@ -202,7 +204,8 @@ def test_a_follower_that_leaves_is_let_go_and_never_slows_the_run(
     handle = client.submit(spec([{"content": "done", "hold": gate}], tenant="acme"))
     assert api_server.state.open_streams == 0
     with http.stream("GET", f"/api/runs/{handle.run_id}/events") as response:
-        assert next(sse_events(response))["type"] == "queued"
+        events = sse_events(response)  # keep a reference: dropping it closes the connection
+        assert next(events)["type"] == "queued"
         assert api_server.state.open_streams == 1
     wait_for(lambda: api_server.state.open_streams == 0, timeout=5)  # server side stopped too
 
@@ -287,7 +290,7 @@ def test_abort_over_http_ends_the_run_at_once(http, client, worker, spec, model_
 
 
 # -- the command -------------------------------------------------------------------------------------
-def test_tooloop_api_command_serves(tmp_path) -> None:
+def test_tooloop_api_command_serves_and_stops_despite_open_streams(tmp_path, client, spec, holds) -> None:
     port = free_port()
     log = (tmp_path / "api.log").open("w")
     proc = subprocess.Popen(
@@ -295,6 +298,7 @@ def test_tooloop_api_command_serves(tmp_path) -> None:
         env={**os.environ, "TOOLOOP_API_TOKENS": TOKENS}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
+    as_globex = {"Authorization": "Bearer tok-globex"}
     try:
 
         def up() -> bool:
@@ -306,9 +310,18 @@ def test_tooloop_api_command_serves(tmp_path) -> None:
 
         wait_for(up, timeout=30, interval=0.2)
         assert httpx.get(base + "/api/runs").status_code == 401
-        listed = httpx.get(base + "/api/runs", headers={"Authorization": "Bearer tok-globex"})
+        listed = httpx.get(base + "/api/runs", headers=as_globex)
         assert listed.status_code == 200 and isinstance(listed.json(), list)
         assert "/api/runs/{run_id}/abort" in httpx.get(base + "/openapi.json").json()["paths"]
+
+        handle = client.submit(spec([{"content": "x", "hold": hold(holds)}], tenant="globex"))
+        with httpx.stream("GET", f"{base}/api/runs/{handle.run_id}/events", headers=as_globex) as response:
+            events = sse_events(response)
+            assert next(events)["type"] == "queued"
+            started = time.monotonic()
+            proc.terminate()  # a live follower must not hold up a restart
+            proc.wait(20)
+        assert time.monotonic() - started < 10
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(10)
