@@ -72,3 +72,19 @@ def pid_sleeper(seconds: float, sandbox_root: str) -> str:
         f.write(str(os.getpid()))
     time.sleep(seconds)
     return "woke up"
+
+
+@tool
+def append_then_sleep(text: str, seconds: float, sandbox_root: str) -> int:
+    """Append `text` to effects.txt (a non-idempotent effect), then sleep."""
+    with open(os.path.join(sandbox_root, "effects.txt"), "a") as f:
+        f.write(text + "\n")
+    time.sleep(seconds)
+    return 1
+
+
+@tool(idempotent=True)
+def slow_lookup(key: str, seconds: float) -> str:
+    """Idempotent: sleep, then return the key upper-cased."""
+    time.sleep(seconds)
+    return key.upper()

@@ -18,18 +18,44 @@ Delivery settings, and why:
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from typing import Any
 
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 
 from orchestrator.keys import Keys
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
 
+log = logging.getLogger(__name__)
+
 TURN_TASK = "tooloop.turn"
 TOOL_TASK = "tooloop.tool"
 VISIBILITY_TIMEOUT_S = 6 * 3600
+
+
+# kombu's Redis transport, after a Redis restart: restoring unacked messages when it
+# closes the dead channel, or acking a message that finished meanwhile, dereferences
+# the channel's lost connection (AttributeError: 'NoneType' object has no attribute
+# 'hostname' / 'client'), which Celery treats as unrecoverable: the worker exits
+# instead of reconnecting. Leaving such messages in kombu's unacked index is safe:
+# the lease sweeper re-enqueues the steps they carried, and duplicates are no-ops.
+def _tolerate_lost_channel(method: Any) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except AttributeError:
+            log.warning("broker channel lost: %s skipped, the lease sweeper covers it",
+                        method.__name__)  # fmt: skip
+            return None
+
+    return call
+
+
+kombu_redis.QoS.restore_unacked = _tolerate_lost_channel(kombu_redis.QoS.restore_unacked)
+kombu_redis.QoS.ack = _tolerate_lost_channel(kombu_redis.QoS.ack)
 
 
 def make_app(settings: Settings | None = None) -> Celery:

@@ -4,8 +4,10 @@ Model calls are slow I/O: turns run on a threads pool with many slots (100+
 calls in flight per process). Tool calls fork sandboxed children and need a
 process they can kill: tools run on a prefork pool. One Celery worker has one
 pool, so serving both queues means two Celery workers, started and stopped
-together; if either exits, the other is stopped and the launcher exits with
-its code, so a process supervisor restarts the pair.
+together. A pool that exits unexpectedly is restarted (its in-flight steps are
+recovered by the lease sweeper); a pool crash-looping more than MAX_RESTARTS
+times a minute stops the pair, and the launcher exits non-zero so a process
+supervisor (systemd, compose, Kubernetes) can take over.
 """
 
 from __future__ import annotations
@@ -53,26 +55,65 @@ def plan(keys: Keys, queues: list[str], concurrency: int | None) -> list[PoolPla
     return plans
 
 
+MAX_RESTARTS = 5  # per RESTART_WINDOW_S, then give up and exit non-zero
+RESTART_WINDOW_S = 60.0
+
+
+class PoolKeeper:
+    """Keeps one Celery worker per plan alive; gives up loudly on a crash loop."""
+
+    def __init__(self, plans: list[PoolPlan], name: str, loglevel: str, env: dict[str, str]) -> None:
+        self.plans, self.name, self.loglevel, self.env = plans, name, loglevel, env
+        self.children = [self._spawn(p) for p in plans]
+        self.restarts: list[float] = []
+        self.stopping = False
+
+    def _spawn(self, plan: PoolPlan) -> subprocess.Popen:
+        return subprocess.Popen(plan.command(self.name, self.loglevel), env=self.env)
+
+    def forward(self, signum: int, _frame: object = None) -> None:
+        self.stopping = True
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def watch(self) -> int:
+        while not self.stopping:
+            time.sleep(0.2)
+            for i, child in enumerate(self.children):
+                if child.poll() is not None and not self.stopping:
+                    if not self._may_restart():
+                        print(f"tooloop worker: {self.plans[i].role} pool keeps dying "
+                              f"(exit {child.returncode}); giving up", file=sys.stderr)  # fmt: skip
+                        self.forward(signal.SIGTERM)
+                        self._reap()
+                        return child.returncode or 1
+                    print(f"tooloop worker: {self.plans[i].role} pool exited "
+                          f"({child.returncode}); restarting it", file=sys.stderr)  # fmt: skip
+                    self.children[i] = self._spawn(self.plans[i])
+        return self._reap()
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+        return len(self.restarts) <= MAX_RESTARTS
+
+    def _reap(self) -> int:
+        codes = []
+        for child in self.children:
+            try:
+                codes.append(child.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                codes.append(child.wait())
+        return next((c for c in codes if c), 0)
+
+
 def run(plans: list[PoolPlan], name: str, loglevel: str, tools: str | None) -> int:
     env = dict(os.environ)
     if tools:
         env["TOOLOOP_TOOLS"] = ",".join(filter(None, [env.get("TOOLOOP_TOOLS"), tools]))
-    children = [subprocess.Popen(p.command(name, loglevel), env=env) for p in plans]
-
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
+    keeper = PoolKeeper(plans, name, loglevel, env)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    while all(child.poll() is None for child in children):
-        time.sleep(0.2)
-    code = next(c.returncode for c in children if c.returncode is not None)
-    forward(signal.SIGTERM, None)
-    for child in children:
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-    return code
+        signal.signal(sig, keeper.forward)
+    return keeper.watch()

@@ -6,6 +6,7 @@ they never pay for litellm.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ def preload() -> None:
 
     litellm.telemetry = False
     litellm.suppress_debug_info = True
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):  # INFO per call otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def resolve_params(params: dict[str, Any]) -> dict[str, Any]:
