@@ -91,6 +91,8 @@ def submit(
         handle = _client().submit(load_spec(spec, prompt))
     except SpecError as exc:
         _fail(str(exc), 2)
+    for warning in handle.warnings:
+        _err(f"warning: {warning}")
     if not wait:
         if as_json:
             _print_json({"run_id": handle.run_id, "status": handle.status().value})

@@ -45,7 +45,7 @@ class Client:
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
         self.store.create(run_id, report.stored_spec, messages)
         enqueue_turn(run_id, 1, self.celery)
-        return RunHandle(self, run_id)
+        return RunHandle(self, run_id, warnings=report.warnings)
 
     def get(self, run_id: str) -> RunHandle:
         if self.store.status(run_id) is None:
@@ -70,8 +70,9 @@ class Client:
 class RunHandle:
     """One run, by id: its state, its result, its events, its controls."""
 
-    def __init__(self, client: Client, run_id: str) -> None:
+    def __init__(self, client: Client, run_id: str, warnings: list[str] | None = None) -> None:
         self.client, self.run_id = client, run_id
+        self.warnings = warnings or []  # from validation at submit (e.g. a missing steering file)
 
     def __repr__(self) -> str:
         return f"RunHandle({self.run_id!r})"

@@ -76,6 +76,10 @@ class Keys:
         """Sorted set run_id -> created_at (ms): `tooloop list`."""
         return f"{self.prefix}:runs"
 
+    def tenant_runs(self, tenant: str) -> str:
+        """Sorted set run_id -> created_at (ms), one per tenant: the operator API's list."""
+        return f"{self.prefix}:tenant:{tenant}:runs"
+
     def leases(self) -> str:
         """Sorted set run_id -> when the sweeper should look at the run (ms)."""
         return f"{self.prefix}:leases"

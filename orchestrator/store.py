@@ -119,6 +119,7 @@ class RunStore:
             self._deadline(now), *(json.dumps(m) for m in messages), pipe=pipe,
         )  # fmt: skip
         pipe.zadd(self.keys.runs(), {run_id: now})
+        pipe.zadd(self.keys.tenant_runs(spec.tenant), {run_id: now})
         pipe.zadd(self.keys.leases(), {run_id: self._deadline(now)})
         created, *_ = pipe.execute()
         if not created:
@@ -294,22 +295,23 @@ class RunStore:
         return build_result(run_id, {_s(k): _s(v) for k, v in raw_state.items()}, raw_calls)
 
     def list_runs(self, limit: int = 20, tenant: str | None = None) -> list[dict[str, str]]:
-        ids = [_s(r) for r in self.redis.zrevrange(self.keys.runs(), 0, limit * 5 - 1)]
+        """Newest runs first (of one tenant, if given); expired runs are pruned from the index."""
+        index = self.keys.runs() if tenant is None else self.keys.tenant_runs(tenant)
+        ids = [_s(r) for r in self.redis.zrevrange(index, 0, limit - 1)]
         pipe = self.redis.pipeline(transaction=False)
         fields = ("status", "exit", "iteration", "tokens_used", "tenant", "created_at", "spec")
         for run_id in ids:
             pipe.hmget(self.keys.run(run_id), fields)
-        rows = []
+        rows, expired = [], []
         for run_id, values in zip(ids, pipe.execute(), strict=True):
             if values[0] is None:
-                continue  # expired
-            row = dict(zip(fields, map(_s, values), strict=True))
-            if tenant is not None and row["tenant"] != tenant:
+                expired.append(run_id)
                 continue
+            row = dict(zip(fields, map(_s, values), strict=True))
             row["model"] = parse_spec(row.pop("spec")).model
             rows.append({"run_id": run_id, **row})
-            if len(rows) >= limit:
-                break
+        if expired:
+            self.redis.zrem(index, *expired)
         return rows
 
     def read_events(

@@ -298,3 +298,20 @@ def test_validate_the_example_agent() -> None:
     done = tooloop("validate", str(example))
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stderr
+
+
+def test_submit_prints_validation_warnings(project, spec, worker) -> None:
+    missing = write_spec(project, {**spec([{"content": "x"}]),
+                                   "steering_files": ["agents/reviewer/steering/gone.md"]})  # fmt: skip
+    done = tooloop("submit", str(missing), cwd=project)
+    assert done.returncode == 0 and len(done.stdout.split()) == 1  # the run id alone
+    assert "warning: steering_files.0: 'agents/reviewer/steering/gone.md' not found" in done.stderr
+
+
+def test_list_by_tenant_finds_a_small_tenant_among_busy_ones(client, worker, spec) -> None:
+    quiet = client.submit({**spec([{"content": "q"}]), "tenant": "quiet-tenant"})
+    for _ in range(8):
+        client.submit({**spec([{"content": "b"}]), "tenant": "busy-tenant"})
+    rows = client.list(limit=3, tenant="quiet-tenant")
+    assert [r["run_id"] for r in rows] == [quiet.run_id]
+    assert {r["tenant"] for r in client.list(limit=3, tenant="busy-tenant")} == {"busy-tenant"}
