@@ -323,6 +323,16 @@ def test_abort_kills_the_call_and_its_children(layer: Layer) -> None:
     assert gone(lambda: alive(mark))
 
 
+def test_nothing_is_left_behind_not_even_zombies(layer: Layer) -> None:
+    before = set(sandbox._children())
+    for _ in range(3):
+        layer.ok(hostile.escape, marker=marker(), wait=0)
+        layer.fails(hostile.escape, marker=marker(), wait=60, timeout=0.5)
+    time.sleep(0.2)
+    layer.ok(hostile.identity)  # its sweep reaps what died since the last one
+    assert set(sandbox._children()) - before == set()
+
+
 # -- built-in tools: escapes through paths --------------------------------------------------------
 def test_file_tools_refuse_dotdot_absolute_and_symlink_escapes(layer: Layer) -> None:
     run = new_run()

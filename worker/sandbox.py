@@ -649,9 +649,11 @@ class _Call:
         return status
 
     def _ours(self, before: set[int]) -> Callable[[int], bool]:
-        """Which children of this process (as subreaper) belong to sandboxed calls."""
+        """Which children of this process (as subreaper) belong to sandboxed calls: a
+        sandbox uid's, or bwrap's own (its namespace init, root, is orphaned when bwrap
+        exits: left alone it stays a zombie of this process)."""
         if self.root:
-            return lambda pid: UID_BASE <= (_proc_uid(pid) or 0) < UID_BASE + UID_SPAN
+            return lambda pid: _is_sandbox_process(*_proc_identity(pid))
         return lambda pid: pid not in before
 
 
@@ -744,14 +746,27 @@ def _children() -> list[int]:
 
 
 def _proc_uid(pid: int) -> int | None:
+    return _proc_identity(pid)[1]
+
+
+def _proc_identity(pid: int) -> tuple[str, int | None]:
+    """(command name, real uid) of a process, from /proc/<pid>/status."""
+    name, uid = "", None
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
+                if line.startswith("Name:"):
+                    name = line.split(None, 1)[1].strip()
+                elif line.startswith("Uid:"):
+                    uid = int(line.split()[1])
+                    break
+    except (OSError, ValueError, IndexError):
         pass
-    return None
+    return name, uid
+
+
+def _is_sandbox_process(name: str, uid: int | None) -> bool:
+    return name == "bwrap" or (uid is not None and UID_BASE <= uid < UID_BASE + UID_SPAN)
 
 
 def _sweep(ours: Callable[[int], bool]) -> None:
