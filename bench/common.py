@@ -53,3 +53,9 @@ def write_result(name: str, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def scripted_spec(model_server, model: str, **fields) -> dict:
+    """A spec dict for a model played by the scripted server."""
+    params = {"api_base": model_server.api_base, "api_key_env": "OPENAI_API_KEY"}
+    return {"prompt": "u", "model": model, "model_params": params, **fields}

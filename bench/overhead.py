@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, median, write_result
+from bench.common import environment, median, scripted_spec, write_result
 
 
 def add(a: int, b: int) -> int:
@@ -54,9 +54,8 @@ def in_process(model: str, api_base: str, turns: int, schema: list[dict]) -> flo
     return time.perf_counter() - started
 
 
-def distributed(client, model: str, api_base: str, turns: int) -> float:
-    spec = {"prompt": "u", "model": model, "tools": ["add"], "max_iterations": turns + 1,
-            "model_params": {"api_base": api_base, "api_key_env": "OPENAI_API_KEY"}}  # fmt: skip
+def distributed(client, model_server, model: str, turns: int) -> float:
+    spec = scripted_spec(model_server, model, tools=["add"], max_iterations=turns + 1)
     started = time.perf_counter()
     result = client.submit(spec).wait(timeout=120)
     elapsed = time.perf_counter() - started
@@ -100,13 +99,13 @@ def main() -> None:
         worker.wait_ready(client.store)
         for _ in range(2):  # warm-up: connections, imports, caches
             in_process(model, model_server.api_base, args.turns, schema)
-            distributed(client, model, model_server.api_base, args.turns)
+            distributed(client, model_server, model, args.turns)
             raw_hops(client.store, 2 * args.turns)
         hop, inproc, dist = [], [], []
         for _ in range(args.rounds):
             hop.append(raw_hops(client.store, 2 * args.turns + 1))
             inproc.append(in_process(model, model_server.api_base, args.turns, schema))
-            dist.append(distributed(client, model, model_server.api_base, args.turns))
+            dist.append(distributed(client, model_server, model, args.turns))
     report(args.turns, args.rounds, median(hop), median(inproc), median(dist))
 
 

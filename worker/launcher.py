@@ -1,7 +1,8 @@
 """``tooloop worker``: one Celery worker per pool, supervised as a unit.
 
-Model calls are slow I/O: turns run on a threads pool with many slots (100+
-calls in flight per process). Tool calls fork sandboxed children and need a
+Model calls are slow I/O: turns run on threads pools with many slots (128 calls
+in flight by default), spread over up to one process per core because litellm
+spends ~5 ms of CPU per call under one GIL. Tool calls fork sandboxed children and need a
 process they can kill: tools run on a prefork pool. One Celery worker has one
 pool, so serving both queues means two Celery workers, started and stopped
 together. A pool that exits unexpectedly is restarted (its in-flight steps are
@@ -21,13 +22,14 @@ from dataclasses import dataclass
 
 from orchestrator.keys import Keys
 
-TURN_CONCURRENCY = 128
+TURN_CONCURRENCY = 128  # model calls in flight per `tooloop worker`, over all turn processes
+TURN_PROCESSES = max(1, min(4, os.cpu_count() or 1))
 TOOL_CONCURRENCY = max(4, 2 * (os.cpu_count() or 1))
 
 
 @dataclass
 class PoolPlan:
-    role: str  # "turns" | "tools"
+    role: str  # "turns", "turns.2", ... | "tools": the node name is <role>@<name>
     queue: str
     pool: str
     concurrency: int
@@ -49,7 +51,11 @@ def plan(keys: Keys, queues: list[str], concurrency: int | None) -> list[PoolPla
         raise ValueError(f"unknown queue(s) {sorted(unknown)}: use turns, tools or both")
     plans = []
     if "turns" in wanted:
-        plans.append(PoolPlan("turns", keys.turn_queue, "threads", concurrency or TURN_CONCURRENCY))
+        slots = concurrency or TURN_CONCURRENCY
+        processes = min(TURN_PROCESSES, slots)
+        for i in range(processes):
+            role = "turns" if i == 0 else f"turns.{i + 1}"
+            plans.append(PoolPlan(role, keys.turn_queue, "threads", -(-slots // processes)))
     if "tools" in wanted:
         plans.append(PoolPlan("tools", keys.tool_queue, "prefork", concurrency or TOOL_CONCURRENCY))
     return plans
