@@ -333,6 +333,31 @@ def test_nothing_is_left_behind_not_even_zombies(layer: Layer) -> None:
     assert set(sandbox._children()) - before == set()
 
 
+def test_a_failing_heartbeat_does_not_stop_the_call(layer: Layer) -> None:
+    def on_tick() -> bool:
+        raise ConnectionError("Redis away")
+
+    assert layer.ok(hostile.burn_cpu, seconds=0.6, on_tick=on_tick) == "done"
+
+
+class SoftTimeLimit(BaseException):
+    """Like Celery's SoftTimeLimitExceeded: raised in the worker while it waits."""
+
+
+def test_an_exception_in_the_worker_still_kills_the_call(layer: Layer) -> None:
+    mark = marker()
+    started = time.monotonic()
+
+    def on_tick() -> bool:
+        if time.monotonic() - started > 1.0:
+            raise SoftTimeLimit()
+        return True
+
+    with pytest.raises(SoftTimeLimit):
+        layer.call(hostile.escape, marker=mark, wait=120, on_tick=on_tick)
+    assert gone(lambda: alive(mark))
+
+
 # -- built-in tools: escapes through paths --------------------------------------------------------
 def test_file_tools_refuse_dotdot_absolute_and_symlink_escapes(layer: Layer) -> None:
     run = new_run()

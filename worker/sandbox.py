@@ -219,8 +219,8 @@ def _warn_once(mode: str | None) -> None:
     if lines:
         lines.append("No network, mount or pid isolation for tool calls (see docs/sandbox.md).")
     if not host.root:
-        lines.append("The worker is not root: tool calls run as the worker's own user, "
-                     "RLIMIT_NPROC is not applied and a setsid'd child can outlive a call.")  # fmt: skip
+        lines.append("The worker is not root: tool calls run as the worker's own user (its files, "
+                     "its other processes' /proc) and RLIMIT_NPROC is not applied (fork bombs).")  # fmt: skip
     hidden = [p for p in _python_paths() if not _reachable_by_others(p)]
     if host.root and hidden:
         lines.append(f"Python paths unreadable by sandbox uids ({', '.join(hidden[:3])}): "
@@ -589,17 +589,24 @@ class _Call:
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         facts = _facts(self.plan)
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError as exc:
+            os.close(read_fd)
+            os.close(write_fd)
+            return CallOutcome(False, error=f"SandboxError: cannot start the call's process: {exc}")
         if self.pid == 0:  # child: never returns
             _child(self.plan, facts, fn, kwargs, write_fd, parent)
         os.close(write_fd)
-        pidfd = os.pidfd_open(self.pid)
+        reader, stopped = _Reader(), "interrupted"
         try:
-            reader = _Reader()
-            stopped = self._watch(read_fd, pidfd, reader)
-            status = self._finish(reader, stopped is None)
-        finally:
-            os.close(pidfd)
+            pidfd = os.pidfd_open(self.pid)
+            try:
+                stopped = self._watch(read_fd, pidfd, reader)
+            finally:
+                status = self._finish(reader, clean_stop=stopped is None)
+                os.close(pidfd)
+        finally:  # whatever happened here (a soft time limit...), nothing of the call survives
             os.close(read_fd)
             _sweep(self._ours(before))
         return CallOutcome(False, error=stopped) if stopped else _decode(reader, status, self.plan.layer)
@@ -620,7 +627,7 @@ class _Call:
                 return f"Timeout: tool call exceeded {self.ctx.timeout_s:g}s"
             if now >= next_tick:
                 next_tick = now + TICK_S
-                if not self.ctx.on_tick():
+                if not self._still_wanted():
                     return "Aborted: the run ended while the tool ran"
             ready, _, _ = select.select(watched, [], [], max(0.0, min(deadline, next_tick) - now))
             if read_fd in ready and not reader.pull(read_fd):
@@ -631,6 +638,14 @@ class _Call:
             if reader.overflow:
                 return f"OutputTooLarge: the tool's output exceeds {MAX_RESULT_BYTES >> 20} MiB"
         return None
+
+    def _still_wanted(self) -> bool:
+        """``on_tick`` (the lease heartbeat); a failing one (Redis away) does not stop the call."""
+        try:
+            return self.ctx.on_tick()
+        except Exception:
+            log.warning("sandbox: on_tick failed; the call goes on", exc_info=True)
+            return True
 
     def _finish(self, reader: _Reader, clean_stop: bool) -> int:
         """Kill the call's processes (all of them) and reap the call's own process."""
