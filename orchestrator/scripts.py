@@ -242,7 +242,8 @@ event(ARGV[2], ARGV[1], 'control', 'action', 'steer', 'by', ARGV[4])
 return 'ok'
 """
 
-# The sweeper's look at one run. ARGV: now, new deadline
+# The sweeper's look at one run. ARGV: now, new deadline, maxlen. A re-dispatch emits
+# a `recovery` event (metadata: which step, since when its lease had expired).
 # -> {'ended'|'gone'} | {'pause_expired'} | {'wait', next_check}
 #  | {'turn', next_check, iteration} | {'calls', next_check, payload...}
 RECOVER = """
@@ -262,6 +263,8 @@ if st[2] == 'turn' then
   if paused then return {'wait', next_check} end
   if deadline > now then return {'wait', math.min(deadline, next_check)} end
   redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', fresh)
+  event(ARGV[3], ARGV[1], 'recovery', 'step', 'turn', 'iteration', tonumber(st[3]) + 1,
+    'lost_since', deadline)
   return {'turn', next_check, tonumber(st[3]) + 1}
 end
 local out = {'calls', next_check}
@@ -281,6 +284,7 @@ for i = 1, #states, 2 do
   end
 end
 if #out == 2 then return {'wait', next_check} end
+event(ARGV[3], ARGV[1], 'recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', #out - 2)
 out[2] = next_check
 return out
 """

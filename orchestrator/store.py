@@ -248,7 +248,7 @@ class RunStore:
     def recover(self, run_id: str) -> Recovery | None:
         """Look at one run due in the lease index; return what must be re-enqueued."""
         now = now_ms()
-        out = self._run("RECOVER", run_id, now, self._deadline(now))
+        out = self._run("RECOVER", run_id, now, self._deadline(now), self._maxlen)
         kind = _s(out[0])
         if kind in ("ended", "gone"):
             self.redis.zrem(self.keys.leases(), run_id)
