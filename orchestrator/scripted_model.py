@@ -122,11 +122,14 @@ def _handler(model: ScriptedModel) -> type[BaseHTTPRequestHandler]:
             request = json.loads(self.rfile.read(length) or b"{}")
             status, body = model.answer(request)
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the caller died meanwhile (a killed worker): nothing to answer
 
         def log_message(self, *_: Any) -> None:
             return
