@@ -171,7 +171,7 @@ def report(args, handles, kills, redis_restart, elapsed, client) -> None:
         duplicated += len(lines) - len(set(lines))
         double_billed += result.tokens_used != TOKENS * result.iterations
         recoveries += recovery_times(list(handle.events(timeout=5)), kills)
-    p = (lambda q: statistics.quantiles(recoveries, n=100, method="inclusive")[q - 1]) if len(recoveries) > 1 else None
+    cuts = statistics.quantiles(recoveries, n=100, method="inclusive") if len(recoveries) > 1 else None
     lines = [
         f"chaos: {args.runs} runs, {args.workers} workers, kill -9 every {args.kill_every:g}s for "
         f"{args.chaos_for:g}s ({len(kills)} kills), Redis restarted once ({redis_restart:.2f}s down), "
@@ -182,8 +182,8 @@ def report(args, handles, kills, redis_restart, elapsed, client) -> None:
         f"  double-billed   {double_billed}   (runs whose tokens count a reply twice)",
         f"  recovered steps {len(recoveries)}",
     ]
-    if p:
-        lines.append(f"  recovery s      p50 {p(50):.1f}  p90 {p(90):.1f}  p99 {p(99):.1f}  "
+    if cuts:
+        lines.append(f"  recovery s      p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
                      f"max {max(recoveries):.1f}   (bound {args.recovery:g})")  # fmt: skip
     lines.append(f"  all ended after {elapsed:.1f}s")
     text = "\n".join(lines) + "\n"
