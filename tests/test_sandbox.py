@@ -179,10 +179,13 @@ def test_layers_tell_the_truth(layer: Layer) -> None:
 
 # -- writing and reading outside ----------------------------------------------------------
 def test_writing_outside_the_run_folder_fails(layer: Layer) -> None:
-    for target in (f"/etc/tooloop-pwned-{uuid.uuid4().hex}", os.path.join(runs_root(), "pwned.txt"),
-                   f"/usr/tooloop-pwned-{uuid.uuid4().hex}"):  # fmt: skip
+    for target in (f"/etc/tooloop-pwned-{uuid.uuid4().hex}", f"/usr/tooloop-pwned-{uuid.uuid4().hex}"):
         error = layer.fails(hostile.write_path, path=target, text="x")
         assert "Error" in error and not os.path.exists(target), error
+    sibling = os.path.join(runs_root(), f"pwned-{uuid.uuid4().hex}")  # next to every run's folder
+    if IS_ROOT or layer.bwrap:  # not root and no bwrap: the call is the worker's user, who owns it
+        layer.call(hostile.write_path, path=sibling, text="x")  # under bwrap: into a tmpfs, maybe
+        assert not os.path.exists(sibling)
     assert layer.ok(hostile.write_path, path="inside.txt", text="x") == "written"
 
 

@@ -524,8 +524,8 @@ def _parents(path: str, masks: list[str]) -> list[str]:
 @lru_cache(maxsize=1)
 def _python_masks() -> frozenset[str]:
     if os.geteuid() != 0:  # bwrap runs as the worker's user: hide its home instead
-        home = pwd.getpwuid(os.getuid()).pw_dir
-        return frozenset({home} if home not in ("/", "") else set())
+        home = os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir or "/")
+        return frozenset({home} if home != "/" and os.path.isdir(home) else set())
     masks = set()
     for path in _python_paths():
         blocking = [a for a in _ancestors(path) if not os.stat(a).st_mode & stat.S_IXOTH]
