@@ -361,6 +361,15 @@ def test_an_exception_in_the_worker_still_kills_the_call(layer: Layer) -> None:
     assert gone(lambda: alive(mark))
 
 
+def test_without_pidfd_the_watch_polls(layer: Layer, monkeypatch) -> None:
+    """Where seccomp refuses pidfd_open (older Docker profiles)."""
+    monkeypatch.setattr(sandbox, "_pidfd", lambda pid: None)
+    assert layer.ok(hostile.append_text, name="a.txt", text="x") == "x"
+    mark = marker()
+    assert layer.fails(hostile.escape, marker=mark, wait=60, timeout=1).startswith("Timeout")
+    assert gone(lambda: alive(mark))
+
+
 # -- built-in tools: escapes through paths --------------------------------------------------------
 def test_file_tools_refuse_dotdot_absolute_and_symlink_escapes(layer: Layer) -> None:
     run = new_run()

@@ -582,6 +582,7 @@ class _Call:
         self.root = os.geteuid() == 0
         self.pid = 0
         self.exited = False
+        self.status: int | None = None  # set when reaped while watching (no pidfd)
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
@@ -600,23 +601,24 @@ class _Call:
         os.close(write_fd)
         reader, stopped = _Reader(), "interrupted"
         try:
-            pidfd = os.pidfd_open(self.pid)
+            pidfd = _pidfd(self.pid)
             try:
                 stopped = self._watch(read_fd, pidfd, reader)
             finally:
                 status = self._finish(reader, clean_stop=stopped is None)
-                os.close(pidfd)
+                if pidfd is not None:
+                    os.close(pidfd)
         finally:  # whatever happened here (a soft time limit...), nothing of the call survives
             os.close(read_fd)
             _sweep(self._ours(before))
         return CallOutcome(False, error=stopped) if stopped else _decode(reader, status, self.plan.layer)
 
-    def _watch(self, read_fd: int, pidfd: int, reader: _Reader) -> str | None:
+    def _watch(self, read_fd: int, pidfd: int | None, reader: _Reader) -> str | None:
         """Until the process exits (or reported and lingers): None, else why it is stopped."""
         os.set_blocking(read_fd, False)
         deadline = time.monotonic() + self.ctx.timeout_s
         next_tick = time.monotonic() + TICK_S
-        watched = [read_fd, pidfd]
+        watched = [read_fd] if pidfd is None else [read_fd, pidfd]
         while not self.exited:
             now = time.monotonic()
             if reader.complete:  # give it a moment to exit on its own
@@ -629,15 +631,23 @@ class _Call:
                 next_tick = now + TICK_S
                 if not self._still_wanted():
                     return "Aborted: the run ended while the tool ran"
-            ready, _, _ = select.select(watched, [], [], max(0.0, min(deadline, next_tick) - now))
+            wait = max(0.0, min(deadline, next_tick) - now)
+            ready, _, _ = select.select(watched, [], [], wait if pidfd is not None else min(wait, 0.01))
             if read_fd in ready and not reader.pull(read_fd):
                 watched.remove(read_fd)  # EOF; the process may still run
-            if pidfd in ready:
+            if pidfd in ready or (pidfd is None and self._reaped()):
                 self.exited = True
                 reader.drain(read_fd)
             if reader.overflow:
                 return f"OutputTooLarge: the tool's output exceeds {MAX_RESULT_BYTES >> 20} MiB"
         return None
+
+    def _reaped(self) -> bool:
+        """Without a pidfd: has the call's process exited? (reaps it)"""
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid:
+            self.status = status
+        return bool(pid)
 
     def _still_wanted(self) -> bool:
         """``on_tick`` (the lease heartbeat); a failing one (Redis away) does not stop the call."""
@@ -654,10 +664,12 @@ class _Call:
         if not self.exited:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-        try:
-            _, status = os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            status = 0
+        status = self.status
+        if status is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                status = 0
         reported = clean_stop and reader.complete and os.WIFEXITED(status) and status == 0
         if self.root and not reported:  # it did not get to kill(-1) its own uid: we do
             _kill_uid(UID_BASE + self.pid)
@@ -670,6 +682,15 @@ class _Call:
         if self.root:
             return lambda pid: _is_sandbox_process(*_proc_identity(pid))
         return lambda pid: pid not in before
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits; None where seccomp refuses
+    pidfd_open (older Docker profiles): the watch then polls waitpid every 10 ms."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 class _Reader:
