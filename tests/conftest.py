@@ -147,6 +147,15 @@ def deployment() -> Iterator:
 
 
 @pytest.fixture
+def holds() -> Iterator[list]:
+    """Events that keep scripted model steps waiting (see helpers.gate); released at teardown."""
+    made: list = []
+    yield made
+    for event in made:
+        event.set()
+
+
+@pytest.fixture
 def spec(model_server):
     """Build a spec dict that talks to the scripted model."""
 

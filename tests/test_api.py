@@ -16,18 +16,12 @@ import pytest
 
 from orchestrator import Status
 from tests.conftest import ROOT, free_port
+from tests.helpers import gate as hold
+from tests.helpers import wait_for
 
 TOKENS = "tok-acme=acme,tok-globex=globex"
 
 
-def wait_for(predicate, timeout: float = 15, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
 
 
 def add_call(delay: float = 0, **extra: Any) -> dict[str, Any]:
@@ -65,19 +59,8 @@ def http(api_server) -> Iterator[httpx.Client]:
         yield c
 
 
-@pytest.fixture
-def holds() -> Iterator[list[threading.Event]]:
-    """Events that keep a scripted model step waiting; all released at teardown."""
-    made: list[threading.Event] = []
-    yield made
-    for event in made:
-        event.set()
 
 
-def hold(holds: list[threading.Event]) -> threading.Event:
-    event = threading.Event()
-    holds.append(event)
-    return event
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict[str, str]]:

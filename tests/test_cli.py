@@ -8,9 +8,7 @@ import pty
 import select
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 from orchestrator import Status
 from orchestrator.views import event_line
 from tests.conftest import ROOT
+from tests.helpers import gate, wait_for
 
 
 def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 60):
@@ -28,14 +27,6 @@ def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, tim
     )  # fmt: skip
 
 
-def wait_for(predicate, timeout: float = 15, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
 
 
 def write_spec(tmp_path: Path, data: dict[str, Any], name: str = "spec.json") -> Path:
@@ -48,18 +39,8 @@ def add_call(**extra: Any) -> dict[str, Any]:
     return {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}], **extra}
 
 
-@pytest.fixture
-def holds() -> Iterator[list[threading.Event]]:
-    made: list[threading.Event] = []
-    yield made
-    for event in made:
-        event.set()
 
 
-def gate(holds: list[threading.Event]) -> threading.Event:
-    event = threading.Event()
-    holds.append(event)
-    return event
 
 
 # -- submit / status: stdout and exit codes ---------------------------------------------------

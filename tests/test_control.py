@@ -9,17 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import Status
-from tests.test_loop import call, tools
-
-
-def wait_for(predicate, timeout: float = 15, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
+from tests.helpers import call, tools, wait_for
 
 
 def alive(pid: int) -> bool:

@@ -17,8 +17,7 @@ import pytest
 
 from orchestrator import Status
 from orchestrator.local import free_port, redis_answers
-from tests.test_control import wait_for
-from tests.test_loop import call, tools
+from tests.helpers import call, tools, wait_for
 
 RECOVERY_S = 6.0
 

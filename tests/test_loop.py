@@ -8,17 +8,7 @@ import time
 import pytest
 
 from orchestrator import SpecError, Status
-
-
-def call(name: str, arguments: object = None, call_id: str | None = None) -> dict:
-    out = {"name": name, "arguments": {} if arguments is None else arguments}
-    if call_id:
-        out["id"] = call_id
-    return out
-
-
-def tools(*calls: dict, **extra) -> dict:
-    return {"tool_calls": list(calls), **extra}
+from tests.helpers import call, tools
 
 
 def run(client, spec_dict, timeout: float = 30):

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from orchestrator import Status
+from tests.helpers import wait_for
 
 PASS = {"content": json.dumps({"passed": True, "reason": "steady progress"})}
 SECRET = "argsecret"  # an argument (and, upper-cased by `lookup`, an output) nobody may see
@@ -24,14 +25,6 @@ def tools(*calls: dict, **extra: Any) -> dict:
     return {"tool_calls": list(calls), **extra}
 
 
-def wait_for(predicate, timeout: float = 20, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
 
 
 def sup_events(store, run_id: str) -> list[dict[str, str]]:
