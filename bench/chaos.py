@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, scripted_spec, write_result
 
 TOKENS = 30
+# from tests/tools.py: a non-idempotent effect (a line in the run's folder) and an idempotent read
+EFFECT, READ = "append_then_sleep", "slow_lookup"
 
 
 def steps() -> list:
@@ -40,9 +42,9 @@ def steps() -> list:
         return lambda _request: {**step, "delay": random.uniform(0.2, 1.5), "tokens": TOKENS}
 
     return [
-        latency({"tool_calls": [{"name": "record_effect", "arguments": {"text": "effect-1", "seconds": 1}}]}),
-        latency({"tool_calls": [{"name": "read_value", "arguments": {"key": "k", "seconds": 0.5}}]}),
-        latency({"tool_calls": [{"name": "record_effect", "arguments": {"text": "effect-3", "seconds": 1}}]}),
+        latency({"tool_calls": [{"name": EFFECT, "arguments": {"text": "effect-1", "seconds": 1}}]}),
+        latency({"tool_calls": [{"name": READ, "arguments": {"key": "k", "seconds": 0.5}}]}),
+        latency({"tool_calls": [{"name": EFFECT, "arguments": {"text": "effect-3", "seconds": 1}}]}),
         latency({"content": "done"}),
     ]  # fmt: skip
 
@@ -90,7 +92,7 @@ def main() -> None:
         redis_server = AofRedis(free_port())
         stack.callback(redis_server.stop)
         os.environ["TOOLOOP_REDIS_URL"] = redis_server.url
-        env = environment(stack, "bench.chaos_tools")
+        env = environment(stack, "tests.tools")
         env["TOOLOOP_RECOVERY_S"] = os.environ["TOOLOOP_RECOVERY_S"] = str(args.recovery)
         from orchestrator import Client
         from orchestrator.scripted_model import ScriptedModel
@@ -110,7 +112,7 @@ def main() -> None:
             start_worker()
         for worker in workers:
             worker.wait_ready(client.store)
-        spec = scripted_spec(model_server, model, tools=["record_effect", "read_value"])
+        spec = scripted_spec(model_server, model, tools=[EFFECT, READ])
         started = time.monotonic()
         handles = [client.submit(spec) for _ in range(args.runs)]
         kills, redis_restart = chaos(workers, start_worker, redis_server, args)
