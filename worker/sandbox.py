@@ -243,9 +243,27 @@ def prepare_workdir(path: str, sandbox_root: str | None = None) -> str:
 
 def _prepare(path: str, root: str) -> int | None:
     """Create the folder; the run's group when root (else None)."""
+    known = _prepared.get(path)
+    if known is not None and _still_prepared(*known):  # the calls of a run: one lstat
+        return known[1]
     _check_root(root)
     os.makedirs(path, exist_ok=True)
-    return _run_gid(os.path.realpath(path), root) if os.geteuid() == 0 else None
+    real = os.path.realpath(path)
+    gid = _run_gid(real, root) if os.geteuid() == 0 else None
+    if gid is not None:
+        _prepared[path] = (real, gid)
+    return gid
+
+
+_prepared: dict[str, tuple[str, int]] = {}  # run folder -> (real path, the run's gid)
+
+
+def _still_prepared(real: str, gid: int) -> bool:
+    try:
+        st = os.lstat(real)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_gid == gid and stat.S_IMODE(st.st_mode) == 0o2770
 
 
 _checked_roots: set[str] = set()
@@ -583,6 +601,7 @@ class _Call:
         self.pid = 0
         self.exited = False
         self.status: int | None = None  # set when reaped while watching (no pidfd)
+        self.clean = False  # ended the usual way: only zombies may be left to reap
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
@@ -610,7 +629,8 @@ class _Call:
                     os.close(pidfd)
         finally:  # whatever happened here (a soft time limit...), nothing of the call survives
             os.close(read_fd)
-            _sweep(self._ours(before))
+            if not (self.clean and _reap_sandbox_zombies()):
+                _sweep(self._ours(before))
         return CallOutcome(False, error=stopped) if stopped else _decode(reader, status, self.plan.layer)
 
     def _watch(self, read_fd: int, pidfd: int | None, reader: _Reader) -> str | None:
@@ -673,6 +693,8 @@ class _Call:
         reported = clean_stop and reader.complete and os.WIFEXITED(status) and status == 0
         if self.root and not reported:  # it did not get to kill(-1) its own uid: we do
             _kill_uid(UID_BASE + self.pid)
+        # The hot path: a forked call that reported, then killed all of its uid itself.
+        self.clean = reported and self.root and self.plan.layer == "fork"
         return status
 
     def _ours(self, before: set[int]) -> Callable[[int], bool]:
@@ -821,6 +843,22 @@ def _sweep(ours: Callable[[int], bool]) -> None:
                 os.waitpid(pid, os.WNOHANG)
         time.sleep(0.001)
     log.warning("sandbox: orphans of a tool call still alive after %.1fs", SWEEP_S)
+
+
+def _reap_sandbox_zombies() -> bool:
+    """Reap exited children of sandbox uids (orphans of calls, re-parented to us) without
+    reading /proc: ``waitid(WNOWAIT)`` shows an exited child's uid before it is reaped.
+    True when no child is left; False if some still runs (maybe a call's, killed but not
+    dead yet) or is not a sandbox uid's: then sweep the slow way."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True  # the usual case in a pool process: no child at all
+        if info is None or not UID_BASE <= info.si_uid < UID_BASE + UID_SPAN:
+            return False
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
 
 
 def _kill_uid(uid: int) -> None:
