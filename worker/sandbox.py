@@ -2,7 +2,7 @@
 
 Three layers; ``docs/sandbox.md`` says what each stops and what it does not.
 
-- ``fork`` (every call; the default for ``@tool`` functions, ~1 ms): a fresh child
+- ``fork`` (the default for ``@tool`` functions; a fork + ~1.5 ms CPU): a fresh child
   per call in its own session; cwd = the run's folder; environment reduced to an
   allowlist; every inherited descriptor but the result pipe pointed at /dev/null;
   rlimits (CPU soft < hard, address space, file size, open files, processes);
