@@ -198,9 +198,19 @@ class RunStore:
 
     def heartbeat(self, items: list[tuple[str, str, str]]) -> list[int]:
         """Extend leases of in-flight steps: (run_id, 'turn'|'call', call key)."""
+        return self._beat(items, self._deadline(now_ms()))
+
+    def hand_back(self, items: list[tuple[str, str, str]]) -> None:
+        """Expire the leases of steps this process will not finish (a worker shutting
+        down): the next sweep, on any worker, re-dispatches them."""
+        now = now_ms()
+        self._beat(items, now)
+        if items:
+            self.redis.zadd(self.keys.leases(), {run_id: now for run_id, _, _ in items})
+
+    def _beat(self, items: list[tuple[str, str, str]], deadline: int) -> list[int]:
         if not items:
             return []
-        deadline = self._deadline(now_ms())
         pipe = self.redis.pipeline(transaction=False)
         for run_id, kind, key in items:
             self._run("BEAT", run_id, kind, key, deadline, pipe=pipe)

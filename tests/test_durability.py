@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator import Status
 from orchestrator.local import free_port, redis_answers
-from tests.helpers import call, tools, wait_for
+from tests.helpers import call, gate, tools, wait_for
 
 RECOVERY_S = 6.0
 
@@ -207,3 +207,24 @@ def test_launcher_restarts_a_pool_that_died(deployment, spec, model_server):
     result = handle.wait(timeout=60)
     assert result.content == "after restart" and worker.proc.poll() is None
     assert "turns pool exited" in worker.tail(20000)
+
+
+def test_warm_shutdown_hands_unfinished_turns_back(deployment, spec, model_server, holds):
+    """SIGTERM (a deploy, a scale-down): a turn still running after 10 s is handed back
+    and resumed elsewhere well before its 30 s lease would have expired."""
+    d = deployment(TOOLOOP_RECOVERY_S="60")
+    leaving = d.start_worker("-c", "2")
+    s = spec([{"content": "handed over", "hold": gate(holds)}])
+    handle = d.client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    d.start_worker("-c", "2")
+    leaving.proc.terminate()
+    started = time.monotonic()
+    wait_for(lambda: len(model_server.calls(s["model"])) == 2, timeout=25)
+    handed_over_in = time.monotonic() - started
+    holds[0].set()
+    result = handle.wait(timeout=30)
+    assert result.content == "handed over" and result.iterations == 1
+    assert 9 < handed_over_in < 20  # 10 s of grace, then within a sweep interval (5 s)
+    assert_billed_once(result)
+    assert leaving.proc.wait(timeout=30) is not None  # the launcher exits, blocked threads or not

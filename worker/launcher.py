@@ -63,6 +63,7 @@ def plan(keys: Keys, queues: list[str], concurrency: int | None) -> list[PoolPla
 
 MAX_RESTARTS = 5  # per RESTART_WINDOW_S, then give up and exit non-zero
 RESTART_WINDOW_S = 60.0
+SHUTDOWN_GRACE_S = 25.0  # SIGTERM -> warm shutdown; steps unfinished after 10 s are handed back
 
 
 class PoolKeeper:
@@ -105,10 +106,13 @@ class PoolKeeper:
         return len(self.restarts) <= MAX_RESTARTS
 
     def _reap(self) -> int:
+        """Wait for the pools to finish their warm shutdown, then kill what is left
+        (a thread blocked in a model call would otherwise hold the process forever)."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
         codes = []
         for child in self.children:
             try:
-                codes.append(child.wait(timeout=30))
+                codes.append(child.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 child.kill()
                 codes.append(child.wait())

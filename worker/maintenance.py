@@ -40,6 +40,7 @@ class InFlight:
         self._items: Counter[tuple[str, str, str]] = Counter()
         self._pid = 0
         self.store: RunStore | None = None
+        self.handed_back = False  # shutting down: leases no longer extended
 
     @contextmanager
     def hold(self, store: RunStore, run_id: str, kind: str, key: str = "") -> Iterator[None]:
@@ -67,15 +68,26 @@ class InFlight:
 
     def _beat(self) -> None:
         assert self.store is not None
-        while True:
+        while not self.handed_back:
             time.sleep(self.store.settings.heartbeat_s)
+            if self.handed_back:
+                return
             try:
                 self.store.heartbeat(self.items())
             except Exception:
                 log.warning("heartbeat failed; retrying", exc_info=True)
 
 
+    def hand_back(self) -> None:
+        """Stop extending leases and expire them, so other workers take the steps over."""
+        self.handed_back = True
+        if self.store is not None and self.items():
+            log.warning("shutting down: handing back %d unfinished step(s)", len(self.items()))
+            self.store.hand_back(self.items())
+
+
 INFLIGHT = InFlight()
+HAND_BACK_AFTER_S = 10.0  # a warm shutdown lets running turns finish this long first
 
 
 def reenqueue(store: RunStore, recovery: Recovery) -> None:
@@ -164,6 +176,16 @@ def _after_setup(sender: str, instance: Any, **_: Any) -> None:
 def _ready(**_: Any) -> None:
     for thread in _maintenance:
         thread.start()
+
+
+@signals.worker_shutting_down.connect
+def _shutting_down(**_: Any) -> None:
+    """Warm shutdown: turns still running after HAND_BACK_AFTER_S are handed back (their
+    reply, if it comes before the process exits, is still recorded unless the retry's
+    came first: a reply is recorded and billed once either way)."""
+    timer = threading.Timer(HAND_BACK_AFTER_S, INFLIGHT.hand_back)
+    timer.daemon = True
+    timer.start()
 
 
 @signals.worker_shutdown.connect
