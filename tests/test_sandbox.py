@@ -591,6 +591,18 @@ def test_e2e_doctor_tells_which_layers_are_on(sbx) -> None:
 
 
 @needs_root
+def test_the_folder_of_all_runs_cannot_be_listed(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o755)  # as `mkdir -p` in an image makes it
+    layer = Layer("fork", "basic", False)
+    ctx = SandboxContext(str(root / "r1"), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic")
+    assert run_call(hostile.identity, {}, ctx).ok
+    assert oct(root.stat().st_mode & 0o777) == "0o711"
+    error = layer.fails(hostile.list_path, path=str(root), run=str(root / "r2"))
+    assert error.startswith("PermissionError")
+
+
+@needs_root
 def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     root.mkdir()

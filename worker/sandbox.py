@@ -280,6 +280,9 @@ def _check_root(root: str) -> None:
         raise SandboxError(f"sandbox root {root} is not a folder (a symlink?)")
     if os.geteuid() == 0 and st.st_uid != 0:
         raise SandboxError(f"sandbox root {root} belongs to uid {st.st_uid}, not root")
+    mode = stat.S_IMODE(st.st_mode)
+    if os.geteuid() == 0 and mode & 0o044 and not mode & 0o002:  # (never /tmp itself)
+        os.chmod(root, (mode & ~0o044) | 0o011)  # calls may cross it, not list other runs
     _checked_roots.add(root)
 
 
