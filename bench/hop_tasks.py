@@ -19,3 +19,12 @@ def hop(remaining: int, queues: list[str], done_key: str) -> None:
         return
     app.send_task(HOP_TASK, args=(remaining - 1, queues[::-1], done_key), queue=queues[1],
                   ignore_result=True)  # fmt: skip
+
+
+ECHO_TASK = "tooloop.bench.echo"
+
+
+@app.task(name=ECHO_TASK, ignore_result=False)
+def echo(value: int) -> int:
+    """A Celery call as producers make them: send, run, store the result, get it back."""
+    return value

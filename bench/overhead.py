@@ -1,11 +1,14 @@
 """Orchestration overhead per tool turn, in raw Celery hops, measured in one run.
 
-Three things are timed, interleaved, on the same machine and the same scripted
+Four things are timed, interleaved, on the same machine and the same scripted
 model (answering at once):
-  hop        an empty Celery task sending the next one, turns <-> tools queues;
+  hop        one-way: an empty Celery task sending the next one, turns <-> tools
+             queues (the two hops of every tool turn, with the same app settings);
+  call       a round trip as producers make them: apply_async -> result.get();
   in-process a plain litellm loop calling the model and running the tool inline;
   tooloop    the same turns as one tooloop run (submit -> result).
-Reported: (tooloop - in-process) per turn, divided by one raw hop. Target <= 2.5.
+Reported: (tooloop - in-process) per turn, in one-way hops and in round-trip
+calls. Target <= 2.5 raw hops.
 
     python bench/overhead.py [--turns 20] [--rounds 5]
 """
@@ -76,6 +79,16 @@ def raw_hops(store, hops: int) -> float:
     return (time.perf_counter() - started) / hops
 
 
+def round_trips(store, calls: int) -> float:
+    from bench.hop_tasks import ECHO_TASK
+    from worker.app import app
+
+    started = time.perf_counter()
+    for i in range(calls):
+        assert app.send_task(ECHO_TASK, args=(i,), queue=store.keys.turn_queue).get(timeout=30) == i
+    return (time.perf_counter() - started) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=20)
@@ -101,24 +114,28 @@ def main() -> None:
             in_process(model, model_server.api_base, args.turns, schema)
             distributed(client, model_server, model, args.turns)
             raw_hops(client.store, 2 * args.turns)
-        hop, inproc, dist = [], [], []
+            round_trips(client.store, 10)
+        hop, call, inproc, dist = [], [], [], []
         for _ in range(args.rounds):
             hop.append(raw_hops(client.store, 2 * args.turns + 1))
+            call.append(round_trips(client.store, 20))
             inproc.append(in_process(model, model_server.api_base, args.turns, schema))
             dist.append(distributed(client, model_server, model, args.turns))
-    report(args.turns, args.rounds, median(hop), median(inproc), median(dist))
+    report(args.turns, args.rounds, median(hop), median(call), median(inproc), median(dist))
 
 
-def report(turns: int, rounds: int, hop: float, inproc: float, dist: float) -> None:
+def report(turns: int, rounds: int, hop: float, call: float, inproc: float, dist: float) -> None:
     turn_in, turn_dist = inproc / turns, dist / turns
     overhead = turn_dist - turn_in
     lines = [
         f"overhead per tool turn ({turns} turns x {rounds} rounds, medians, one run)",
-        f"  raw Celery hop (turns<->tools)   {hop * 1000:7.2f} ms",
+        f"  raw Celery hop (turns<->tools)   {hop * 1000:7.2f} ms   one-way",
+        f"  Celery call (apply_async + get)  {call * 1000:7.2f} ms   round trip",
         f"  in-process litellm loop / turn   {turn_in * 1000:7.2f} ms",
         f"  tooloop / turn                   {turn_dist * 1000:7.2f} ms",
         f"  overhead / turn                  {overhead * 1000:7.2f} ms",
         f"  overhead / turn in raw hops      {overhead / hop:7.2f}   (target <= 2.5)",
+        f"  overhead / turn in Celery calls  {overhead / call:7.2f}",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

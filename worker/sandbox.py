@@ -57,6 +57,7 @@ TICK_S = 0.25  # heartbeat / abort check while a call runs
 EXIT_GRACE_S = 1.0  # a call that reported may take this long to exit before it is killed
 SWEEP_S = 1.0  # bound on killing and reaping what a call left behind
 RESULT_FD = 3  # where the call writes its framed JSON result
+REQUEST_FD = 4  # where a spare process waits for its call (see _Spare)
 MAX_RESULT_BYTES = 16 << 20
 UID_BASE = 0x7000_0000  # per-call uids: UID_BASE + pid (pid_max <= 2**22)
 UID_SPAN = 1 << 22
@@ -89,6 +90,9 @@ class SandboxContext:
     strict: bool = False  # the strongest layer available (built-ins, @tool(sandbox="strict"))
     mode: str | None = None  # auto | bwrap | basic; None: TOOLOOP_SANDBOX
     sandbox_root: str | None = None  # parent of all run folders; None: TOOLOOP_SANDBOX_ROOT
+    # True: return as soon as the result is in; reaping (and forking the next call's
+    # process) waits for settle(). False: nothing of the call survives run_call.
+    defer_cleanup: bool = False
 
 
 class SandboxError(Exception):
@@ -584,6 +588,7 @@ def _module_path() -> tuple[str, ...]:
 
 # -- running a call ------------------------------------------------------------------
 def run_call(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -> CallOutcome:
+    _run_pending()
     started = time.perf_counter()
     try:
         plan = _plan(fn, kwargs, ctx)
@@ -608,7 +613,31 @@ class _Call:
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
-        before = set() if self.root else set(_children())
+        spare = _take_spare(fn, kwargs, self.plan)
+        before = set() if self.root else set(_children()) - {spare.pid if spare else 0}
+        if spare is not None:
+            self.pid, read_fd = spare.pid, spare.result_fd
+        else:
+            started = self._fork(fn, kwargs)
+            if isinstance(started, CallOutcome):
+                return started
+            read_fd = started
+        reader, stopped, pidfd, status = _Reader(), "interrupted", None, 0
+        try:
+            pidfd = _pidfd(self.pid)
+            stopped = self._watch(read_fd, pidfd, reader)
+        finally:
+            if self.ctx.defer_cleanup and stopped is None and reader.complete and not self.exited:
+                # The hot path: the result is in; its process ends off the critical path.
+                _pending.append(lambda: self._cleanup(read_fd, pidfd, reader, before, None))
+            else:
+                status = self._cleanup(read_fd, pidfd, reader, before, stopped)
+        if stopped:
+            return CallOutcome(False, error=stopped)
+        return _decode(reader, status, self.plan.layer)
+
+    def _fork(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int | CallOutcome:
+        """Fork the call's process now (no spare): its result pipe, or why it failed."""
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         facts = _facts(self.plan)
@@ -621,20 +650,32 @@ class _Call:
         if self.pid == 0:  # child: never returns
             _child(self.plan, facts, fn, kwargs, write_fd, parent)
         os.close(write_fd)
-        reader, stopped = _Reader(), "interrupted"
+        return read_fd
+
+    def _cleanup(self, read_fd: int, pidfd: int | None, reader: _Reader, before: set[int],
+                 stopped: str | None) -> int:  # fmt: skip
+        """Kill and reap the call's processes; whatever happened, nothing of it survives."""
         try:
-            pidfd = _pidfd(self.pid)
-            try:
-                stopped = self._watch(read_fd, pidfd, reader)
-            finally:
-                status = self._finish(reader, clean_stop=stopped is None)
-                if pidfd is not None:
-                    os.close(pidfd)
-        finally:  # whatever happened here (a soft time limit...), nothing of the call survives
+            if stopped is None and not self.exited:
+                self._await_exit(pidfd)
+            status = self._finish(reader, clean_stop=stopped is None)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
             os.close(read_fd)
             if not (self.clean and _reap_sandbox_zombies()):
                 _sweep(self._ours(before))
-        return CallOutcome(False, error=stopped) if stopped else _decode(reader, status, self.plan.layer)
+        return status
+
+    def _await_exit(self, pidfd: int | None) -> None:
+        """A call that reported kills its own uid and exits: give it EXIT_GRACE_S."""
+        if pidfd is not None:
+            self.exited = bool(select.select([pidfd], [], [], EXIT_GRACE_S)[0])
+            return
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while not self._reaped() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.exited = self.status is not None
 
     def _watch(self, read_fd: int, pidfd: int | None, reader: _Reader) -> str | None:
         """Until the process exits (or reported and lingers): None, else why it is stopped."""
@@ -644,8 +685,10 @@ class _Call:
         watched = [read_fd] if pidfd is None else [read_fd, pidfd]
         while not self.exited:
             now = time.monotonic()
-            if reader.complete:  # give it a moment to exit on its own
-                deadline = min(deadline, reader.complete_at + EXIT_GRACE_S)
+            if reader.complete:
+                if self.plan.layer == "fork":
+                    return None  # the result is in: its exit is awaited off the hot path
+                deadline = min(deadline, reader.complete_at + EXIT_GRACE_S)  # let it exit
                 if now >= deadline:
                     return None
             elif now >= deadline:
@@ -930,17 +973,162 @@ def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str,
         os._exit(code)
 
 
+# -- spare processes: the fork, off the hot path -----------------------------------
+# A forked call pays for fork(), exit and reaping of a ~50 MB worker (~2.5 ms here).
+# So each pool process keeps one spare: forked (and detached: own session, no worker
+# descriptors) after the previous call was recorded, it waits for exactly one call,
+# then confines itself as a fresh fork would. One process per call, as before.
+@dataclass
+class _Spare:
+    pid: int
+    request_fd: int  # the worker writes the call here (pickle: worker -> its own fork)
+    result_fd: int  # the call's framed JSON result comes back here
+
+    def send(self, request: tuple[Any, ...]) -> None:
+        data = pickle.dumps(request)
+        view = memoryview(len(data).to_bytes(8, "big") + data)
+        try:
+            while view:
+                view = view[os.write(self.request_fd, view) :]
+        finally:
+            os.close(self.request_fd)
+
+    def discard(self) -> None:
+        for fd in (self.request_fd, self.result_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+_spares: dict[int, _Spare] = {}  # pool process pid -> its spare
+_spare_wanted: set[int] = set()  # pool processes that run forked calls
+_pending: list[Callable[[], Any]] = []  # cleanups of calls whose result is in
+
+
+def settle() -> None:
+    """After a call's result is recorded: reap what the call left, and fork the next
+    call's process now rather than when that call arrives."""
+    _run_pending()
+    if os.getpid() in _spare_wanted and os.getpid() not in _spares:
+        try:
+            _spares[os.getpid()] = _spawn_spare()
+        except OSError:
+            log.warning("sandbox: cannot fork a spare process; calls fork on demand", exc_info=True)
+
+
+def _run_pending() -> None:
+    while _pending:
+        cleanup = _pending.pop(0)
+        try:
+            cleanup()
+        except Exception:
+            log.exception("sandbox: cleaning up after a call failed")
+
+
+def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> _Spare | None:
+    """This process's spare, with the call sent to it; None: fork on demand."""
+    if plan.layer != "fork":
+        return None
+    _spare_wanted.add(os.getpid())
+    name = _registered_name(fn)
+    spare = _spares.pop(os.getpid(), None)
+    if spare is None or name is None:
+        if spare is not None:
+            _spares[os.getpid()] = spare
+        return None
+    env_drop = [k for k in _worker_env_keys(os.getpid()) if k not in plan.env]
+    limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True)
+    try:
+        spare.send((plan, env_drop, limits, name, kwargs, os.getpid()))
+    except OSError:  # it died meanwhile (killed from outside?)
+        spare.discard()
+        return None
+    return spare
+
+
+def _registered_name(fn: Callable[..., Any]) -> str | None:
+    from worker.registry import REGISTRY
+
+    return next((name for name, t in REGISTRY.items() if t.fn is fn), None)
+
+
+def _spawn_spare() -> _Spare:
+    facts = _Facts(fds=[int(n) for n in os.listdir("/proc/self/fd")],
+                   handlers=_handlers(os.getpid()), env_drop=[], limits=[])  # fmt: skip
+    request_r, request_w = os.pipe()
+    result_r, result_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        os.close(request_w)
+        os.close(result_r)
+        _spare_main(facts, result_w, request_r)
+    os.close(request_r)
+    os.close(result_w)
+    return _Spare(pid, request_w, result_r)
+
+
+def _spare_main(facts: _Facts, result_w: int, request_r: int) -> NoReturn:
+    code = 1
+    try:
+        high_w, high_r = fcntl.fcntl(result_w, fcntl.F_DUPFD, 10), fcntl.fcntl(request_r, fcntl.F_DUPFD, 10)
+        os.dup2(high_w, RESULT_FD)  # first: errors below are reported through it
+        os.dup2(high_r, REQUEST_FD)
+        for fd in {high_w, high_r, result_w, request_r} - {RESULT_FD, REQUEST_FD}:
+            os.close(fd)
+        _detach(facts, forked=True, keep=(REQUEST_FD,))
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # an idle spare dies with its worker
+        request = _read_request()
+        if request is None:  # the worker went away (or changed its mind)
+            code = 0
+            return
+        plan, env_drop, limits, name, kwargs, parent = request
+        from worker.registry import REGISTRY
+
+        _enter(plan, env_drop)
+        _confine(plan, _Facts([], [], env_drop, limits), parent, drop=plan.gid is not None)
+        code = _serve(plan, REGISTRY[name].fn, kwargs)
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+    finally:
+        os._exit(code)
+
+
+def _read_request() -> tuple[Any, ...] | None:
+    data = b""
+    while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
+        chunk = os.read(REQUEST_FD, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    os.close(REQUEST_FD)
+    return pickle.loads(data[8:])  # from the worker itself, through its own pipe
+
+
 def _isolate(plan: _Plan, facts: _Facts) -> None:
     """Session, signals, descriptors, folder, environment: nothing of the worker's."""
+    _detach(facts, forked=plan.layer == "fork")
+    _enter(plan, facts.env_drop)
+
+
+def _detach(facts: _Facts, forked: bool, keep: tuple[int, ...] = ()) -> None:
+    """Its own session, default signal handlers, none of the worker's descriptors."""
     os.setsid()
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for sig in facts.handlers:  # none of the worker's handlers (Celery's SIGTERM...)
         signal.signal(sig, signal.SIG_DFL)
-    _stdio_to_devnull(facts.fds if plan.layer == "fork" else None)
+    _stdio_to_devnull(facts.fds if forked else None, keep)
+
+
+def _enter(plan: _Plan, env_drop: list[str]) -> None:
+    """The run's folder and the allowlisted environment."""
     os.chdir(plan.workdir)
     os.umask(0o007)  # files stay the run's group's
     if plan.layer == "fork":  # (not os.environ.clear(): quadratic, ~1 ms here)
-        for key in facts.env_drop:
+        for key in env_drop:
             del os.environ[key]
         os.environ.update(plan.env)
 
@@ -962,7 +1150,7 @@ def _confine(plan: _Plan, facts: _Facts, parent: int, drop: bool) -> None:
         raise SandboxError("the worker died")
 
 
-def _stdio_to_devnull(inherited: list[int] | None) -> None:
+def _stdio_to_devnull(inherited: list[int] | None, keep: tuple[int, ...] = ()) -> None:
     """0-2 -> /dev/null; every other inherited descriptor (Redis sockets, the broker
     connection, log files) is closed (``inherited`` None: an exec follows), or, in the
     forked interpreter whose objects still hold those numbers, pointed at /dev/null so
@@ -975,7 +1163,7 @@ def _stdio_to_devnull(inherited: list[int] | None) -> None:
         os.closerange(RESULT_FD + 1, 1 << 20)
         return
     for fd in inherited:
-        if fd > RESULT_FD and fd != null:
+        if fd > RESULT_FD and fd != null and fd not in keep:
             with contextlib.suppress(OSError):
                 os.dup2(null, fd)
     if null > RESULT_FD:
@@ -1028,9 +1216,9 @@ def _serve(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int:
         payload = {"ok": jsonable(fn(**kwargs))}
     except BaseException as exc:  # the model sees every failure, whatever its type
         payload = {"error": f"{type(exc).__name__}: {exc}"}
-    _report(payload)
     if plan.gid is not None:
-        _kill_own_uid()
+        _kill_own_uid()  # first: when the worker reads the result, nothing else runs
+    _report(payload)
     return 0
 
 

@@ -16,7 +16,7 @@ from orchestrator.models import SandboxPolicy, ToolCallRecord
 from orchestrator.store import RunStore
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
 from worker.registry import REGISTRY, Tool
-from worker.sandbox import CallOutcome, SandboxContext, prepare_workdir, run_call
+from worker.sandbox import CallOutcome, SandboxContext, prepare_workdir, run_call, settle
 
 log = get_task_logger(__name__)
 
@@ -45,7 +45,10 @@ class ToolCall:
         else:  # done, busy, paused, ended, stale: somebody else owns this step
             log.debug("call %s/%s skipped: %s", self.p["run_id"], self.p["key"], verdict)
             return
-        self.record(outcome, inputs)
+        try:
+            self.record(outcome, inputs)
+        finally:
+            settle()  # reap the call's process, fork the next one: after the hot path
 
     def execute(self) -> tuple[CallOutcome, Any]:
         if self.tool is None:
@@ -92,6 +95,7 @@ class ToolCall:
             strict=self.tool.sandbox == "strict",
             mode=settings.sandbox,
             sandbox_root=settings.sandbox_root,
+            defer_cleanup=True,  # settle() after the record
         )
 
     def _still_ours(self) -> bool:
