@@ -611,3 +611,31 @@ def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None
     assert sandbox.prepare_workdir(ctx.workdir, str(root)) == ctx.workdir  # never raises
     outcome = run_call(hostile.identity, {}, ctx)
     assert not outcome.ok and "belongs to uid 12345" in (outcome.error or "")
+
+
+def _idle_spares(worker: WorkerProcess) -> list[int]:
+    """The waiting spare processes: forks of the tool pool's processes (same command line),
+    one level below the pool processes, below the tools worker's main process."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    tools = {int(pid): int(ppid) for pid, ppid, args in rows if f"tools@{worker.name}" in args}
+    main = [pid for pid, ppid in tools.items() if ppid == worker.proc.pid]
+    pool = [pid for pid, ppid in tools.items() if ppid in main]
+    return [pid for pid, ppid in tools.items() if ppid in pool]
+
+
+def test_e2e_each_call_gets_a_fresh_process_even_from_a_spare(sbx, spec) -> None:
+    """Spares take the fork off the hot path; still one process (and uid) per call, and a
+    spare killed from outside only costs the next call an on-demand fork."""
+    steps = [{"tool_calls": [tool_call("identity")]}] * 3 + [{"content": "done"}]
+    result = sbx.client.submit(spec(steps, tools=["identity"])).wait(timeout=60)
+    seen = [r.output for r in result.tool_calls]
+    assert len({o["pid"] for o in seen}) == 3
+    if IS_ROOT:
+        assert len({o["uid"] for o in seen}) == 3 and all(o["uid"] >= sandbox.UID_BASE for o in seen)
+    spares = _idle_spares(sbx.worker)
+    assert spares, "no spare waiting after calls on a fork layer"
+    for pid in spares:
+        os.kill(pid, 9)
+    again = sbx.client.submit(spec(steps, tools=["identity"])).wait(timeout=60)
+    assert again.status == "completed" and all(r.success for r in again.tool_calls)
