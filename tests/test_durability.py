@@ -228,3 +228,19 @@ def test_warm_shutdown_hands_unfinished_turns_back(deployment, spec, model_serve
     assert 9 < handed_over_in < 20  # 10 s of grace, then within a sweep interval (5 s)
     assert_billed_once(result)
     assert leaving.proc.wait(timeout=30) is not None  # the launcher exits, blocked threads or not
+
+
+def test_redis_restart_during_a_tool_call_keeps_its_result(deployment, spec, aof_redis):
+    """The broker connection drops under a running tool call: the call finishes and its
+    result is recorded (the task is not cancelled; its redelivery would be a no-op)."""
+    d = deployment(TOOLOOP_REDIS_URL=aof_redis.url)
+    d.start_worker("-c", "2")
+    s = spec([tools(call("append_then_sleep", {"text": "once", "seconds": 3})), {"content": "ok"}],
+             tools=["append_then_sleep"])  # fmt: skip
+    handle = d.client.submit(s)
+    wait_for(lambda: effects(d.store, handle.run_id))
+    aof_redis.restart()
+    result = handle.wait(timeout=60)
+    [record] = result.tool_calls
+    assert record.success and record.output == 1, record
+    assert effects(d.store, handle.run_id) == ["once"]

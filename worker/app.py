@@ -89,7 +89,9 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         worker_soft_shutdown_timeout=10.0,
         worker_enable_soft_shutdown_on_idle=True,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # A task running when the broker connection drops is let finish: its redelivery
+        # is a no-op (fenced in Redis), while cancelling would lose a tool call's work.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         result_expires=3600,
     )
     app.tooloop_settings = settings  # type: ignore[attr-defined]
