@@ -12,6 +12,7 @@ A step is a dict, or a callable ``(request) -> dict``:
   ``{"status": 500, "error": "boom"}``                          fail the HTTP call
   plus ``"delay": seconds``, ``"tokens": total_tokens`` (default 30),
   ``"hold": threading.Event`` (answer only once it is set).
+A request with ``"stream": true`` gets the same answer as server-sent chunks.
 """
 
 from __future__ import annotations
@@ -107,6 +108,21 @@ def completion(model: str, step: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def stream_body(body: dict[str, Any]) -> bytes:
+    """The completion as server-sent chunks, as OpenAI streams it (usage in the last one)."""
+    message = body["choices"][0]["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    finish = body["choices"][0]["finish_reason"]
+    chunks = [
+        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": body["usage"]},
+    ]
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 512
@@ -121,10 +137,11 @@ def _handler(model: ScriptedModel) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             request = json.loads(self.rfile.read(length) or b"{}")
             status, body = model.answer(request)
-            data = json.dumps(body).encode()
+            streamed = status == 200 and bool(request.get("stream"))
+            data = stream_body(body) if streamed else json.dumps(body).encode()
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/event-stream" if streamed else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

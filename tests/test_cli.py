@@ -296,3 +296,51 @@ def test_list_by_tenant_finds_a_small_tenant_among_busy_ones(client, worker, spe
     rows = client.list(limit=3, tenant="quiet-tenant")
     assert [r["run_id"] for r in rows] == [quiet.run_id]
     assert {r["tenant"] for r in client.list(limit=3, tenant="busy-tenant")} == {"busy-tenant"}
+
+
+def test_flower_sees_the_tasks_of_a_run(client, worker, spec) -> None:
+    """`tooloop flower` on this app: task events reach it; its API answers without auth set."""
+    import httpx
+
+    from orchestrator.local import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "orchestrator.cli", "flower", f"--port={port}", "--address=127.0.0.1"]
+    flower = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(base + "/healthcheck"), timeout=30)
+        handle = client.submit(spec([add_call(), {"content": "5"}], tools=["add"]))
+        handle.wait(timeout=30)
+
+        def tasks() -> set[str]:
+            found = httpx.get(base + "/api/tasks", timeout=5).json()
+            return {t["name"] for t in found.values() if handle.run_id in t["uuid"]}
+
+        assert wait_for(lambda: tasks() >= {"tooloop.turn", "tooloop.tool"}, timeout=30)
+    finally:
+        flower.terminate()
+        flower.wait(timeout=20)
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_control_and_status_commands_do_not_import_litellm() -> None:
+    """The CLI starts fast: litellm (~6 s, ~150 MB), FastAPI and the Celery worker stay out."""
+    probe = ("import sys\n"
+             "from orchestrator.cli import app\n"
+             "from typer.testing import CliRunner\n"
+             "for args in (['status', 'nope'], ['pause', 'nope'], ['steer', 'nope', 'x'], ['list']):\n"
+             "    CliRunner().invoke(app, args)\n"
+             "heavy = ('litellm', 'fastapi', 'worker.turn', 'openai')\n"
+             "print(sorted(m for m in heavy if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -213,3 +213,14 @@ def test_catalog_lists_workers_tools_with_schemas(store, worker):
     catalog = store.catalog()
     assert {"add", "shell", "read_file", "write_file", "list_dir"} <= set(catalog)
     assert catalog["add"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_model_calls_stream_only_when_the_spec_says_so(client, worker, spec, model_server):
+    steps = [tools(call("add", {"a": 4, "b": 5}), tokens=17), {"content": "nine", "tokens": 13}]
+    plain = spec(steps, tools=["add"])
+    streamed = spec(steps, tools=["add"], model_params={"stream": True})
+    for s in (plain, streamed):
+        result = run(client, s)
+        assert (result.content, result.tokens_used, result.tool_calls[0].output) == ("nine", 30, 9)
+    assert not any(r.get("stream") for r in model_server.calls(plain["model"]))
+    assert all(r.get("stream") for r in model_server.calls(streamed["model"]))
