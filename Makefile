@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test install lint bench chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ lint: install
 bench: install
 	$(PY) bench/overhead.py
 	$(PY) bench/concurrency.py
+	$(PY) bench/cli_startup.py
+	$(PY) bench/sandbox_overhead.py
+
+chaos: install
+	$(PY) bench/chaos.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
