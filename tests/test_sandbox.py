@@ -36,7 +36,7 @@ from worker import builtins, sandbox
 from worker.sandbox import CallOutcome, SandboxContext, layers, run_call
 
 BWRAP = layers("auto")["bwrap"]
-NO_BWRAP = "bubblewrap does not work on this host: " + sandbox._host(probe=True).bwrap_error
+NO_BWRAP = "bubblewrap does not work on this host: " + sandbox.host._host(probe=True).bwrap_error
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-call uids and RLIMIT_NPROC need a root worker")
 REDIS = urlparse(os.environ["TOOLOOP_REDIS_URL"])
@@ -72,7 +72,7 @@ def of_uid(uid: int) -> list[int]:
     pids = []
     for name in os.listdir("/proc"):
         if name.isdigit():
-            with_uid = sandbox._proc_uid(int(name))
+            with_uid = sandbox.reaper._proc_uid(int(name))
             if with_uid == uid:
                 pids.append(int(name))
     return pids
@@ -154,7 +154,7 @@ def test_each_call_has_its_own_uid_in_the_runs_group(layer: Layer) -> None:
     first = layer.ok(hostile.identity, run=run)
     second = layer.ok(hostile.identity, run=run)
     gid = os.stat(run).st_gid
-    assert oct(os.stat(run).st_mode & 0o7777) == "0o2770" and sandbox._is_run_gid(gid)
+    assert oct(os.stat(run).st_mode & 0o7777) == "0o2770" and sandbox.folders._is_run_gid(gid)
     for ident in (first, second):
         assert sandbox.UID_BASE <= ident["uid"] < sandbox.UID_BASE + sandbox.UID_SPAN
         assert ident["euid"] == ident["uid"] and ident["gid"] == gid and ident["groups"] == [gid]
@@ -327,13 +327,13 @@ def test_abort_kills_the_call_and_its_children(layer: Layer) -> None:
 
 
 def test_nothing_is_left_behind_not_even_zombies(layer: Layer) -> None:
-    before = set(sandbox._children())
+    before = set(sandbox.reaper._children())
     for _ in range(3):
         layer.ok(hostile.escape, marker=marker(), wait=0)
         layer.fails(hostile.escape, marker=marker(), wait=60, timeout=0.5)
     time.sleep(0.2)
     layer.ok(hostile.identity)  # its sweep reaps what died since the last one
-    assert set(sandbox._children()) - before == set()
+    assert set(sandbox.reaper._children()) - before == set()
 
 
 def test_a_failing_heartbeat_does_not_stop_the_call(layer: Layer) -> None:
@@ -363,7 +363,7 @@ def test_an_exception_in_the_worker_still_kills_the_call(layer: Layer) -> None:
 
 def test_without_pidfd_the_watch_polls(layer: Layer, monkeypatch) -> None:
     """Where seccomp refuses pidfd_open (older Docker profiles)."""
-    monkeypatch.setattr(sandbox, "_pidfd", lambda pid: None)
+    monkeypatch.setattr(sandbox.call, "_pidfd", lambda pid: None)
     assert layer.ok(hostile.append_text, name="a.txt", text="x") == "x"
     mark = marker()
     assert layer.fails(hostile.escape, marker=mark, wait=60, timeout=1).startswith("Timeout")
@@ -445,7 +445,8 @@ def test_strict_tools_must_be_importable() -> None:
 
 def test_bwrap_mode_refuses_calls_when_bwrap_is_missing(monkeypatch) -> None:
     missing = sandbox.Host(root=IS_ROOT, proc_children=True, bwrap_error="pretend: not installed")
-    monkeypatch.setattr(sandbox, "_host", lambda probe: missing)
+    for module in (sandbox.host, sandbox.plan):  # layers() and the choice of layer
+        monkeypatch.setattr(module, "_host", lambda probe: missing)
     outcome = Layer("bwrap", "bwrap", True).call(hostile.identity)
     assert not outcome.ok and "pretend: not installed" in (outcome.error or "")
     assert Layer("exec", "auto", True).call(hostile.identity).ok  # auto falls back to exec

@@ -1,0 +1,232 @@
+"""The call's own process: what it must know, found before the fork (``_Facts``); then,
+in the child, a session, folder and environment of its own, limits, the call's uid,
+and the tool's result reported on RESULT_FD; or, for the exec layers, the runner."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import resource
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from worker.sandbox.constants import MAX_RESULT_BYTES, RESULT_FD, UID_BASE
+from worker.sandbox.context import SandboxError, jsonable
+from worker.sandbox.libc import _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_SET_PDEATHSIG, _libc
+from worker.sandbox.paths import _inside, _module_path
+from worker.sandbox.plan import _Plan
+
+if TYPE_CHECKING:
+    from orchestrator.models import SandboxPolicy
+
+# Python ignores SIGPIPE and SIGXFSZ so that writes fail with an error: kept that way.
+_KEEP = {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
+_RESET_SIGNALS = [s for s in signal.Signals if s not in _KEEP]
+
+
+@dataclass
+class _Facts:
+    """What the call's process needs to know about itself, found before the fork: in
+    the child every page Python touches is a copy-on-write fault (the hot path)."""
+
+    fds: list[int]  # the worker's open descriptors
+    handlers: list[signal.Signals]  # signals with a handler of the worker's
+    env_drop: list[str]  # environment variables outside the allowlist
+    limits: list[tuple[int, tuple[int, int]]]
+
+
+def _facts(plan: _Plan) -> _Facts:
+    fork = plan.layer == "fork"
+    return _Facts(
+        fds=[int(n) for n in os.listdir("/proc/self/fd")] if fork else [],
+        handlers=_handlers(os.getpid()),
+        env_drop=[k for k in _worker_env_keys(os.getpid()) if k not in plan.env] if fork else [],
+        limits=_limits(plan.policy, nproc=os.geteuid() == 0, fork=fork),
+    )
+
+
+@lru_cache(maxsize=4)
+def _worker_env_keys(pid: int) -> tuple[str, ...]:
+    """The worker's environment does not change while it serves: listed once per process."""
+    return tuple(os.environ)
+
+
+@lru_cache(maxsize=4)
+def _handlers(pid: int) -> list[signal.Signals]:
+    """Signals this process handles (Celery's, set at start): looked up once per process."""
+    return [s for s in _RESET_SIGNALS if signal.getsignal(s) not in (signal.SIG_DFL, None)]
+
+
+def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str, Any],
+           write_fd: int, parent: int) -> NoReturn:  # fmt: skip
+    code = 1
+    try:
+        os.dup2(write_fd, RESULT_FD)  # first: errors below are reported through it
+        _isolate(plan, facts)
+        if plan.layer == "fork":
+            _confine(plan, facts, parent, drop=plan.gid is not None)
+            code = _serve(plan, fn, kwargs)
+        else:
+            _exec_runner(plan, facts, parent)
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+    finally:
+        os._exit(code)
+
+
+def _isolate(plan: _Plan, facts: _Facts) -> None:
+    """Session, signals, descriptors, folder, environment: nothing of the worker's."""
+    _detach(facts, forked=plan.layer == "fork")
+    _enter(plan, facts.env_drop)
+
+
+def _detach(facts: _Facts, forked: bool, keep: tuple[int, ...] = ()) -> None:
+    """Its own session, default signal handlers, none of the worker's descriptors."""
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in facts.handlers:  # none of the worker's handlers (Celery's SIGTERM...)
+        signal.signal(sig, signal.SIG_DFL)
+    _stdio_to_devnull(facts.fds if forked else None, keep)
+
+
+def _enter(plan: _Plan, env_drop: list[str]) -> None:
+    """The run's folder and the allowlisted environment."""
+    os.chdir(plan.workdir)
+    os.umask(0o007)  # files stay the run's group's
+    if plan.layer == "fork":  # (not os.environ.clear(): quadratic, ~1 ms here)
+        for key in env_drop:
+            del os.environ[key]
+        os.environ.update(plan.env)
+
+
+def _confine(plan: _Plan, facts: _Facts, parent: int, drop: bool) -> None:
+    """Limits, no_new_privs, the call's uid, death with the worker."""
+    for which, limit in facts.limits:
+        resource.setrlimit(which, limit)
+    prctl = _libc().prctl
+    prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries gain nothing
+    # Its /proc/self/environ still shows the worker's environment block (a forked copy):
+    # not dumpable, /proc/self/* belongs to root. (Setting a new uid does this too.)
+    prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if drop:
+        assert plan.gid is not None
+        _drop(UID_BASE + os.getpid(), plan.gid)
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the drop, which clears it
+    if os.getppid() != parent:
+        raise SandboxError("the worker died")
+
+
+def _stdio_to_devnull(inherited: list[int] | None, keep: tuple[int, ...] = ()) -> None:
+    """0-2 -> /dev/null; every other inherited descriptor (Redis sockets, the broker
+    connection, log files) is closed (``inherited`` None: an exec follows), or, in the
+    forked interpreter whose objects still hold those numbers, pointed at /dev/null so
+    that no number is reused under them."""
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != null:
+            os.dup2(null, fd)
+    if inherited is None:
+        os.closerange(RESULT_FD + 1, 1 << 20)
+        return
+    for fd in inherited:
+        if fd > RESULT_FD and fd != null and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
+    if null > RESULT_FD:
+        os.close(null)
+
+
+def _limits(policy: SandboxPolicy, nproc: bool, fork: bool) -> list[tuple[int, tuple[int, int]]]:
+    mb = 1024 * 1024
+    memory = policy.memory_mb * mb
+    if fork:  # the forked worker's own mappings are not the call's to spend
+        memory += _address_space()
+    wanted = {
+        resource.RLIMIT_CPU: (policy.cpu_s, policy.cpu_s + 1),  # SIGXCPU, then SIGKILL
+        resource.RLIMIT_AS: (memory, memory),
+        resource.RLIMIT_FSIZE: (policy.max_file_mb * mb, policy.max_file_mb * mb),
+        resource.RLIMIT_NOFILE: (policy.max_open_files, policy.max_open_files),
+        resource.RLIMIT_CORE: (0, 0),  # a core file would hold the worker's memory
+    }
+    if nproc:  # counted per real uid: meaningful only with a uid of the call's own
+        wanted[resource.RLIMIT_NPROC] = (policy.max_processes, policy.max_processes)
+    limits = []
+    for which, (soft, hard) in wanted.items():
+        current_hard = _hard_limit(which)
+        if current_hard != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current_hard), min(hard, current_hard)
+        limits.append((which, (soft, hard)))
+    return limits
+
+
+@lru_cache(maxsize=16)
+def _hard_limit(which: int) -> int:
+    return resource.getrlimit(which)[1]
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def _drop(uid: int, gid: int) -> None:
+    os.setgroups([gid])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise SandboxError("could not drop to the call's uid")
+
+
+def _serve(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int:
+    try:
+        payload = {"ok": jsonable(fn(**kwargs))}
+    except BaseException as exc:  # the model sees every failure, whatever its type
+        payload = {"error": f"{type(exc).__name__}: {exc}"}
+    if plan.gid is not None:
+        _kill_own_uid()  # first: when the worker reads the result, nothing else runs
+    _report(payload)
+    return 0
+
+
+def _kill_own_uid() -> None:
+    """End whatever the call started (setsid'd or not) before reporting the end."""
+    uid = os.getuid()
+    if uid != 0 and os.geteuid() != 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)  # all processes of this uid but this one
+
+
+def _report(payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    if len(data) > MAX_RESULT_BYTES:
+        data = json.dumps({"error": f"OutputTooLarge: {len(data)} bytes of output"}).encode()
+    view = memoryview(len(data).to_bytes(8, "big") + data)
+    while view:
+        view = view[os.write(RESULT_FD, view) :]
+
+
+def _exec_runner(plan: _Plan, facts: _Facts, parent: int) -> NoReturn:
+    """Replace this process with the runner; its request arrives on stdin (a memfd).
+    The request is written before the limits: this process is still the worker's size."""
+    uid = UID_BASE + os.getpid()
+    request = {
+        "path": [p for p in _module_path() if not _inside(p, plan.workdir)],
+        "module": plan.target[0],
+        "qualname": plan.target[1],
+        "kwargs": plan.kwargs_blob,
+        "drop": (uid, plan.gid) if plan.gid is not None else None,
+        "parent": parent if plan.layer == "exec" else None,  # outside bwrap: re-arm pdeathsig
+    }
+    fd = os.memfd_create("tooloop-call", 0)
+    os.write(fd, pickle.dumps(request))
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 0)
+    os.close(fd)
+    _confine(plan, facts, parent, drop=False)  # the runner drops, after importing the tool
+    os.execve(plan.argv[0], plan.argv, plan.env)

@@ -1,0 +1,168 @@
+"""Spare processes: the fork, off the hot path.
+
+A forked call pays for fork(), exit and reaping of a ~50 MB worker (~2.5 ms here).
+So each pool process keeps one spare: forked (and detached: own session, no worker
+descriptors) after the previous call was recorded, it waits for exactly one call,
+then confines itself as a fresh fork would. One process per call, as before.
+
+``settle()`` (after a call's result is recorded) reaps what the previous call left
+and forks the spare; ``_take_spare`` hands it the next call."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import pickle
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from worker.sandbox.child import (
+    _confine,
+    _detach,
+    _enter,
+    _Facts,
+    _handlers,
+    _limits,
+    _report,
+    _serve,
+    _worker_env_keys,
+)
+from worker.sandbox.constants import REQUEST_FD, RESULT_FD
+from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
+from worker.sandbox.plan import _Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Spare:
+    pid: int
+    request_fd: int  # the worker writes the call here (pickle: worker -> its own fork)
+    result_fd: int  # the call's framed JSON result comes back here
+
+    def send(self, request: tuple[Any, ...]) -> None:
+        data = pickle.dumps(request)
+        view = memoryview(len(data).to_bytes(8, "big") + data)
+        try:
+            while view:
+                view = view[os.write(self.request_fd, view) :]
+        finally:
+            os.close(self.request_fd)
+
+    def discard(self) -> None:
+        for fd in (self.request_fd, self.result_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+_spares: dict[int, _Spare] = {}  # pool process pid -> its spare
+_spare_wanted: set[int] = set()  # pool processes that run forked calls
+_pending: list[Callable[[], Any]] = []  # cleanups of calls whose result is in
+
+
+def settle() -> None:
+    """After a call's result is recorded: reap what the call left, and fork the next
+    call's process now rather than when that call arrives."""
+    _run_pending()
+    if os.getpid() in _spare_wanted and os.getpid() not in _spares:
+        try:
+            _spares[os.getpid()] = _spawn_spare()
+        except OSError:
+            log.warning("sandbox: cannot fork a spare process; calls fork on demand", exc_info=True)
+
+
+def _run_pending() -> None:
+    while _pending:
+        cleanup = _pending.pop(0)
+        try:
+            cleanup()
+        except Exception:
+            log.exception("sandbox: cleaning up after a call failed")
+
+
+def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> _Spare | None:
+    """This process's spare, with the call sent to it; None: fork on demand."""
+    if plan.layer != "fork":
+        return None
+    _spare_wanted.add(os.getpid())
+    name = _registered_name(fn)
+    spare = _spares.pop(os.getpid(), None)
+    if spare is None or name is None:
+        if spare is not None:
+            _spares[os.getpid()] = spare
+        return None
+    env_drop = [k for k in _worker_env_keys(os.getpid()) if k not in plan.env]
+    limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True)
+    try:
+        spare.send((plan, env_drop, limits, name, kwargs, os.getpid()))
+    except OSError:  # it died meanwhile (killed from outside?)
+        spare.discard()
+        return None
+    return spare
+
+
+def _registered_name(fn: Callable[..., Any]) -> str | None:
+    from worker.registry import REGISTRY
+
+    return next((name for name, t in REGISTRY.items() if t.fn is fn), None)
+
+
+def _spawn_spare() -> _Spare:
+    facts = _Facts(fds=[int(n) for n in os.listdir("/proc/self/fd")],
+                   handlers=_handlers(os.getpid()), env_drop=[], limits=[])  # fmt: skip
+    request_r, request_w = os.pipe()
+    result_r, result_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        os.close(request_w)
+        os.close(result_r)
+        _spare_main(facts, result_w, request_r)
+    os.close(request_r)
+    os.close(result_w)
+    return _Spare(pid, request_w, result_r)
+
+
+def _spare_main(facts: _Facts, result_w: int, request_r: int) -> NoReturn:
+    code = 1
+    try:
+        high_w, high_r = fcntl.fcntl(result_w, fcntl.F_DUPFD, 10), fcntl.fcntl(request_r, fcntl.F_DUPFD, 10)
+        os.dup2(high_w, RESULT_FD)  # first: errors below are reported through it
+        os.dup2(high_r, REQUEST_FD)
+        for fd in {high_w, high_r, result_w, request_r} - {RESULT_FD, REQUEST_FD}:
+            os.close(fd)
+        _detach(facts, forked=True, keep=(REQUEST_FD,))
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # an idle spare dies with its worker
+        request = _read_request()
+        if request is None:  # the worker went away (or changed its mind)
+            code = 0
+            return
+        plan, env_drop, limits, name, kwargs, parent = request
+        from worker.registry import REGISTRY
+
+        _enter(plan, env_drop)
+        _confine(plan, _Facts([], [], env_drop, limits), parent, drop=plan.gid is not None)
+        code = _serve(plan, REGISTRY[name].fn, kwargs)
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+    finally:
+        os._exit(code)
+
+
+def _read_request() -> tuple[Any, ...] | None:
+    data = b""
+    while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
+        chunk = os.read(REQUEST_FD, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    os.close(REQUEST_FD)
+    return pickle.loads(data[8:])  # from the worker itself, through its own pipe
