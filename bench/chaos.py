@@ -8,8 +8,8 @@ halfway, Redis (AOF on) is restarted. At the end it counts:
   lost           runs not ended when the system went quiet
   duplicated     effect lines written twice (a non-idempotent call run again)
   double-billed  runs whose tokens_used != tokens of their recorded replies
-and the recovery times: from each kill -9 to the first progress of each run
-whose step the sweeper re-dispatched after it.
+and the recovery times: for each step the sweeper re-dispatched, how long its run
+stalled (last progress before the loss -> first progress after the re-dispatch).
 
     python bench/chaos.py [--runs 100] [--workers 3] [--kill-every 4] [--recovery 60]
 """
@@ -147,14 +147,15 @@ def run_folder(run_id: str) -> Path:
     return Path(os.environ["TOOLOOP_SANDBOX_ROOT"], run_id)
 
 
-def recovery_times(events: list[dict], kills: list[float]) -> list[float]:
-    """Seconds from the last kill before each re-dispatch to the run's next progress."""
+def recovery_times(events: list[dict]) -> list[float]:
+    """For each step the sweeper re-dispatched: the run's stall, from its last progress
+    before the loss (no later than the kill) to its first progress after the re-dispatch.
+    An upper bound on recovery: it also counts the work the lost step had done."""
     out = []
     for i, event in enumerate(events):
         if event["type"] != "recovery":
             continue
-        ts = int(event["ts"])
-        before = [k for k in kills if k <= ts]
+        before = [int(e["ts"]) for e in events[:i] if e["type"] != "recovery"]
         after = [int(e["ts"]) for e in events[i + 1 :] if e["type"] != "recovery"]
         if before and after:
             out.append((after[0] - before[-1]) / 1000)
@@ -172,7 +173,7 @@ def report(args, handles, kills, redis_restart, elapsed, client) -> None:
         lines = effects_file.read_text().splitlines() if effects_file.exists() else []
         duplicated += len(lines) - len(set(lines))
         double_billed += result.tokens_used != TOKENS * result.iterations
-        recoveries += recovery_times(list(handle.events(timeout=5)), kills)
+        recoveries += recovery_times(list(handle.events(timeout=5)))
     cuts = statistics.quantiles(recoveries, n=100, method="inclusive") if len(recoveries) > 1 else None
     lines = [
         f"chaos: {args.runs} runs, {args.workers} workers, kill -9 every {args.kill_every:g}s for "
@@ -185,7 +186,7 @@ def report(args, handles, kills, redis_restart, elapsed, client) -> None:
         f"  recovered steps {len(recoveries)}",
     ]
     if cuts:
-        lines.append(f"  recovery s      p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
+        lines.append(f"  stall s         p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
                      f"max {max(recoveries):.1f}   (bound {args.recovery:g})")  # fmt: skip
     lines.append(f"  all ended after {elapsed:.1f}s")
     text = "\n".join(lines) + "\n"
