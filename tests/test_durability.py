@@ -206,7 +206,7 @@ def test_launcher_restarts_a_pool_that_died(deployment, spec, model_server):
     hold.set()
     result = handle.wait(timeout=60)
     assert result.content == "after restart" and worker.proc.poll() is None
-    assert "turns pool exited" in worker.tail(20000)
+    wait_for(lambda: "turns pool exited" in worker.tail(20000), timeout=10)
 
 
 def test_warm_shutdown_hands_unfinished_turns_back(deployment, spec, model_server, holds):
