@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, scripted_spec, write_result
+from bench.common import environment, publish, scripted_spec
 
 TOKENS = 30
 # from tests/tools.py: a non-idempotent effect (a line in the run's folder) and an idempotent read
@@ -189,9 +189,7 @@ def report(args, handles, kills, redis_restart, elapsed, client) -> None:
         lines.append(f"  stall s         p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
                      f"max {max(recoveries):.1f}   (bound {args.recovery:g})")  # fmt: skip
     lines.append(f"  all ended after {elapsed:.1f}s")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    print(f"written to {write_result('chaos', text)}", file=sys.stderr)
+    publish("chaos", lines)
 
 
 if __name__ == "__main__":

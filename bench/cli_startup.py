@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, write_result
+from bench.common import environment, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,9 +51,7 @@ def main() -> None:
     base = rows[0][1]
     lines = [f"CLI answers, median of {args.repeat} runs (target < 1 s)"]
     lines += [f"  {name:36s} {secs:6.3f} s   {secs / base:5.1f} x python start-up" for name, secs in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    print(f"written to {write_result('cli_startup', text)}", file=sys.stderr)
+    publish("cli_startup", lines)
 
 
 if __name__ == "__main__":

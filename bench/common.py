@@ -55,6 +55,13 @@ def write_result(name: str, text: str) -> Path:
     return path
 
 
+def publish(name: str, lines: list[str]) -> None:
+    """Print a benchmark's figures and keep them in docs/bench/<name>.txt."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    print(f"written to {write_result(name, text)}", file=sys.stderr)
+
+
 def scripted_spec(model_server, model: str, **fields) -> dict:
     """A spec dict for a model played by the scripted server."""
     params = {"api_base": model_server.api_base, "api_key_env": "OPENAI_API_KEY"}

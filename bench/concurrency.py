@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, scripted_spec, write_result
+from bench.common import environment, publish, scripted_spec
 
 
 def steps(turns: int, delay: float) -> list[dict]:
@@ -64,9 +64,7 @@ def main() -> None:
         f"  median run              {statistics.median(per_run):6.2f} s",
         f"  elapsed / ideal         {elapsed / ideal:6.3f}   (target <= 1.25)",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    print(f"written to {write_result('concurrency', text)}", file=sys.stderr)
+    publish("concurrency", lines)
 
 
 if __name__ == "__main__":

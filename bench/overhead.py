@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, median, scripted_spec, write_result
+from bench.common import environment, median, publish, scripted_spec
 
 
 def add(a: int, b: int) -> int:
@@ -137,9 +137,7 @@ def report(turns: int, rounds: int, hop: float, call: float, inproc: float, dist
         f"  overhead / turn in raw hops      {overhead / hop:7.2f}   (target <= 2.5)",
         f"  overhead / turn in Celery calls  {overhead / call:7.2f}",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    print(f"written to {write_result('overhead', text)}", file=sys.stderr)
+    publish("overhead", lines)
 
 
 if __name__ == "__main__":
