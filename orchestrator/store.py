@@ -361,12 +361,18 @@ class RunStore:
         self.redis.hdel(self.keys.workers(), name)
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
-        cutoff = time.time() - WORKER_TTL_S
-        workers = {}
+        """Workers seen within WORKER_TTL_S; entries of long-dead ones are dropped."""
+        now = time.time()
+        workers, dead = {}, []
         for name, raw in self.redis.hgetall(self.keys.workers()).items():
             info = json.loads(raw)
-            if info.get("seen", 0) >= cutoff:
+            seen = info.get("seen", 0)
+            if seen >= now - WORKER_TTL_S:
                 workers[_s(name)] = info
+            elif seen < now - 100 * WORKER_TTL_S:
+                dead.append(name)
+        if dead:
+            self.redis.hdel(self.keys.workers(), *dead)
         return workers
 
     def catalog(self) -> dict[str, dict[str, Any]]:
