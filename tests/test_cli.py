@@ -351,3 +351,18 @@ def test_control_and_status_commands_do_not_import_litellm() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_plain_celery_worker_serves_turns_and_tools(deployment, spec) -> None:
+    """`celery -A worker.app worker` (no -Q, default prefork pool) runs whole loops."""
+    d = deployment()
+    command = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-c", "2", "-l", "warning",
+               "-n", f"plain@{d.prefix}"]  # fmt: skip
+    celery = subprocess.Popen(command, env={**os.environ, **d.env}, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        result = d.client.submit(spec([add_call(), {"content": "5"}], tools=["add"])).wait(timeout=90)
+        assert (result.status, result.tool_calls[0].output) == ("completed", 5)
+    finally:
+        celery.terminate()
+        celery.wait(timeout=30)

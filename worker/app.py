@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery
+from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
 from orchestrator.keys import Keys
@@ -102,6 +103,8 @@ def make_app(settings: Settings | None = None) -> Celery:
         # None would disable the pool: a new connection per publish (~8 ms each here).
         broker_pool_limit=256,
         task_default_queue=keys.turn_queue,
+        # Both queues declared: a plain `celery -A worker.app worker` serves turns and tools.
+        task_queues=[Queue(keys.turn_queue), Queue(keys.tool_queue)],
         task_routes={TURN_TASK: {"queue": keys.turn_queue}, TOOL_TASK: {"queue": keys.tool_queue}},
         worker_send_task_events=True,
         task_send_sent_event=True,
