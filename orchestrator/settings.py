@@ -9,6 +9,8 @@ from functools import lru_cache
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from orchestrator.keys import EVENTS_MAXLEN
+
 # No internet on many deployments: litellm must not try to fetch its cost map.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
@@ -25,7 +27,7 @@ class Settings(BaseSettings):
     secret_key: str = ""  # encrypts literal api keys at rest; see orchestrator.secrets
     recovery_s: float = 60.0  # bound on resuming a run whose worker died
     retention_s: int = 7 * 24 * 3600  # finished runs expire after this
-    events_maxlen: int = 1000  # progress events kept per run
+    events_maxlen: int = EVENTS_MAXLEN  # progress events kept per run
     sandbox: str = "auto"  # auto | bwrap | basic: strongest layer to use
     agents_dir: str = "agents"  # steering files and skills; relative = from the submitter's cwd
 
