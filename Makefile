@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test install lint bench chaos clean
+.PHONY: demo test install lint bench chaos dashboard clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,20 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) bench/overhead.py
+	$(PY) bench/cpu_per_turn.py
 	$(PY) bench/concurrency.py
+	$(PY) bench/overhead.py
 	$(PY) bench/cli_startup.py
 	$(PY) bench/sandbox_overhead.py
+	$(PY) bench/worker_rss.py
 
 chaos: install
 	$(PY) bench/chaos.py
+
+# docs/img/dashboard.png from a real run (needs Debian's prometheus package and matplotlib)
+dashboard: install
+	$(PY) -m pip install -q matplotlib
+	$(PY) bench/dashboard_snapshot.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

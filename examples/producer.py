@@ -4,6 +4,8 @@ Against a real model:   OPENAI_API_KEY=... python examples/producer.py
 Against the scripted model (no network needed):  python examples/producer.py --scripted
 A worker must be running: `tooloop worker --tools examples.tools` (for --scripted, with
 OPENAI_API_KEY set to anything: the scripted server ignores it, litellm insists on one).
+With --scripted, set TOOLOOP_ALLOWED_API_BASES=http://127.0.0.1:8765/v1 for the worker and for
+this script: the operator allows the worker's key to go to that endpoint.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import argparse
 
 from orchestrator import Client, RunSpec
 
+SCRIPTED_PORT = 8765  # the worker must allow this endpoint (TOOLOOP_ALLOWED_API_BASES)
+
 
 def scripted_spec() -> RunSpec:
     from orchestrator.scripted_model import ScriptedModel
 
-    server = ScriptedModel().start()
+    server = ScriptedModel(port=SCRIPTED_PORT).start()
     model = server.script([
         {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
         {"content": "2 + 3 = 5"},

@@ -1,8 +1,10 @@
-"""The operator HTTP API (``tooloop api``): list, inspect, follow and control runs.
+"""The operator HTTP API (``tooloop api``): submit, list, inspect, follow and control runs.
 
 Every route under ``/api`` needs ``Authorization: Bearer <token>``; the token
 names a tenant (``TOOLOOP_API_TOKENS="token=tenant,..."``) and a tenant only
 sees its own runs: another tenant's run answers 404, exactly like a missing one.
+``POST /api/runs`` submits through ``Client.submit``, so a spec is checked
+exactly as a Python producer's is, for the token's tenant.
 
 Store calls are synchronous Redis round trips, so the JSON routes are plain
 ``def`` routes (FastAPI runs them in its threadpool). The event stream is the
@@ -15,6 +17,7 @@ follower cannot slow a run.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
@@ -25,27 +28,33 @@ from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Body, Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
+from orchestrator import metrics, telemetry
+from orchestrator.bounds import API_BODY_MAX_BYTES, REASON_MAX_CHARS, STEER_MAX_CHARS
 from orchestrator.client import Client
+from orchestrator.connections import connect_async
 from orchestrator.models import RunResult, Status
 from orchestrator.settings import Settings, get_settings
+from orchestrator.validation import SpecError
 from orchestrator.views import RunSummary
 
 BLOCK_MS = 5000  # one XREAD BLOCK; also how often a follower re-checks its connection
 HEARTBEAT_S = 15.0  # an SSE comment when idle this long: keeps proxies from timing out
 SHUTDOWN_GRACE_S = 5  # open event streams of live runs must not hold up a restart
 STREAM_ID = re.compile(r"\d+(-\d+)?")  # a Redis Stream id, as sent back in Last-Event-ID
+FIELD_PATH = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")  # how validation names a spec field
 
 
 @dataclass
 class ApiState:
     client: Client
-    tokens: dict[str, str]  # bearer token -> tenant
+    tokens: dict[bytes, str]  # SHA-256 of a bearer token -> tenant (no token kept in clear)
     events_redis: aioredis.Redis | None = None  # opened in the app's lifespan
     open_streams: int = 0  # event streams being served right now
+    metrics: Any = None  # the Prometheus registry /metrics serves
 
 
 # -- bodies and replies -----------------------------------------------------------
@@ -55,6 +64,22 @@ class SteerBody(BaseModel):
 
 class AbortBody(BaseModel):
     reason: str = Field(default="abort requested", description="recorded in the run's error")
+
+
+class Submitted(BaseModel):
+    run_id: str
+    status: Status = Field(description="queued, right after submit")
+    warnings: list[str] = Field(default_factory=list, description="from validation (a missing steering file)")
+
+
+class Problem(BaseModel):
+    detail: str
+
+
+class ValidationProblem(BaseModel):
+    """FastAPI's own shape for 422, also used for a refused spec (one item per fault)."""
+
+    detail: list[dict[str, Any]]
 
 
 class ControlReply(BaseModel):
@@ -83,11 +108,16 @@ async def _tenant(api: Api, creds: Annotated[HTTPAuthorizationCredentials | None
     return tenant
 
 
-def _match_token(tokens: dict[str, str], given: str) -> str | None:
-    # compare_digest against every token: the answer time says nothing about near misses
-    found = None
-    for token, tenant in tokens.items():
-        if hmac.compare_digest(token.encode(), given.encode()):
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _match_token(digests: dict[bytes, str], given: str) -> str | None:
+    # SHA-256 digests, compared with compare_digest against every one: the answer time
+    # says nothing about near misses, nor about a token's length (every digest is 32 bytes)
+    wanted, found = token_digest(given), None
+    for digest, tenant in digests.items():
+        if hmac.compare_digest(digest, wanted):
             found = tenant
     return found
 
@@ -106,7 +136,56 @@ def _owned_run(run_id: str, tenant: Tenant, api: Api) -> str:
 
 OwnedRun = Annotated[str, Depends(_owned_run)]
 
-router = APIRouter(prefix="/api", tags=["runs"])
+# Every status code a route can answer is listed, so a client generated from the
+# OpenAPI document (or a schemathesis run) meets no undocumented one.
+UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "missing or unknown bearer token"},
+}
+NO_RUN: dict[int | str, dict[str, Any]] = {
+    404: {"model": Problem, "description": "no such run (or another tenant's)"},
+}
+router = APIRouter(prefix="/api", tags=["runs"], responses=UNAUTHORIZED)
+
+
+# -- submitting -------------------------------------------------------------------------
+TENANT_FIELD = "tenant"
+
+
+@router.post(
+    "/runs",
+    status_code=201,
+    responses={422: {"model": ValidationProblem, "description": "the spec was refused; each fault named"},
+               400: {"model": Problem, "description": "a body over the size limit"}},
+)
+def submit_run(
+    tenant: Tenant,
+    api: Api,
+    spec: Annotated[dict[str, Any], Body(description="a run spec, as in a spec file (JSON)")],
+) -> Submitted:
+    """Submit a run for the token's tenant; the reply holds its id.
+
+    The spec is validated exactly as `Client.submit` validates it, and nothing
+    is written or enqueued when it is refused. A spec naming another tenant is refused.
+    """
+    given = spec.get(TENANT_FIELD)
+    if given is not None and given != tenant:
+        raise HTTPException(422, _problems([f"{TENANT_FIELD}: this token submits for {tenant!r} only"]))
+    try:
+        handle = api.client.submit({**spec, TENANT_FIELD: tenant})
+    except SpecError as exc:
+        raise HTTPException(422, _problems(exc.errors)) from None
+    return Submitted(run_id=handle.run_id, status=Status.queued, warnings=handle.warnings)
+
+
+def _problems(errors: list[str]) -> list[dict[str, Any]]:
+    """Spec faults in the shape of FastAPI's own 422 (``loc``, ``msg``, ``type``)."""
+    return [{"loc": ["body", *_field(e)], "msg": e, "type": "spec_refused"} for e in errors]
+
+
+def _field(error: str) -> list[str]:
+    """``model_params.api_key_env: ...`` -> [model_params, api_key_env]; else nothing."""
+    head = error.split(":", 1)[0]
+    return head.split(".") if ":" in error and FIELD_PATH.fullmatch(head) else []
 
 
 # -- reading --------------------------------------------------------------------------
@@ -116,7 +195,7 @@ def list_runs(tenant: Tenant, api: Api, limit: Annotated[int, Query(ge=1, le=100
     return [RunSummary.from_row(row) for row in api.client.list(limit, tenant)]
 
 
-@router.get("/runs/{run_id}", response_model=RunResult, responses={404: {"description": "no such run"}})
+@router.get("/runs/{run_id}", response_model=RunResult, responses=NO_RUN)
 def get_run(run_id: OwnedRun, api: Api) -> RunResult:
     """A run's state and result, as `tooloop status RUN --json` prints it."""
     result = api.client.store.result(run_id)
@@ -129,7 +208,9 @@ def get_run(run_id: OwnedRun, api: Api) -> RunResult:
     "/runs/{run_id}/events",
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}},
-                     "description": "server-sent events, live; the stream ends after `outcome`"}},
+                     "description": "server-sent events, live; the stream ends after `outcome`"},
+               400: {"model": Problem, "description": "Last-Event-ID is not a stream id"},
+               **NO_RUN},
 )  # fmt: skip
 async def run_events(
     run_id: OwnedRun,
@@ -195,7 +276,8 @@ def sse_frame(event_id: str, fields: dict[str, str]) -> str:
 
 
 # -- control ---------------------------------------------------------------------------
-_REFUSED = {"ended": "has already ended", "not_paused": "is not paused"}
+_REFUSED = {"ended": "has already ended", "not_paused": "is not paused",
+            "full": "has too many steer messages waiting"}  # fmt: skip
 
 
 def _reply(api: ApiState, run_id: str, action: str, verdict: str) -> ControlReply:
@@ -208,8 +290,8 @@ def _reply(api: ApiState, run_id: str, action: str, verdict: str) -> ControlRepl
 
 
 CONTROL_ERRORS: dict[int | str, dict[str, Any]] = {
-    404: {"description": "no such run (or another tenant's)"},
-    409: {"description": "the run has ended (or, for resume, is not paused)"},
+    **NO_RUN,
+    409: {"model": Problem, "description": "the run has ended (or, for resume, is not paused)"},
 }
 
 
@@ -225,36 +307,89 @@ def resume(run_id: OwnedRun, tenant: Tenant, api: Api) -> ControlReply:
     return _reply(api, run_id, "resume", api.client.resume(run_id, by=f"api:{tenant}"))
 
 
-@router.post("/runs/{run_id}/abort", responses=CONTROL_ERRORS)
+@router.post("/runs/{run_id}/abort",
+             responses={**CONTROL_ERRORS,
+                        400: {"model": Problem, "description": "a reason over the length limit"}})
 def abort(
     run_id: OwnedRun, tenant: Tenant, api: Api, body: Annotated[AbortBody | None, Body()] = None
 ) -> ControlReply:
     """End the run now: status and exit `aborted`; an in-flight reply is discarded."""
     reason = (body or AbortBody()).reason
-    return _reply(api, run_id, "abort", api.client.store.abort(run_id, f"api:{tenant}", reason))
+    if len(reason) > REASON_MAX_CHARS:
+        raise HTTPException(400, f"reason has {len(reason):,} characters; the limit is {REASON_MAX_CHARS:,}")
+    reply = _reply(api, run_id, "abort", api.client.store.abort(run_id, f"api:{tenant}", reason))
+    telemetry.observe_end(api.client.store, run_id)  # no task of the run may run again to see it
+    return reply
 
 
 @router.post(
     "/runs/{run_id}/steer",
-    responses={**CONTROL_ERRORS, 400: {"description": "blank message"}},
+    responses={**CONTROL_ERRORS,
+               400: {"model": Problem, "description": "blank message, or one over the length limit"}},
 )
 def steer(run_id: OwnedRun, tenant: Tenant, api: Api, body: SteerBody) -> ControlReply:
     """Queue guidance; it reaches the model at the run's next turn boundary."""
     if not body.message.strip():
         raise HTTPException(400, "message must not be blank")
+    if len(body.message) > STEER_MAX_CHARS:
+        raise HTTPException(400, f"message has {len(body.message):,} characters; the limit is "
+                            f"{STEER_MAX_CHARS:,}")  # fmt: skip
     verdict = api.client.store.steer(run_id, body.message, by=f"api:{tenant}")
     return _reply(api, run_id, "steer", verdict)
+
+
+class DenyBody(BaseModel):
+    reason: str = Field(default="denied by a person", description="told to the model with the failed call")
+
+
+DECISION_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": Problem, "description": "no such run (or another tenant's), or no such call waiting"},
+    409: {"model": Problem, "description": "the run has ended, or the call was already decided"},
+}
+
+
+def _decision(api: ApiState, run_id: str, call_id: str, action: str, verdict: str) -> ControlReply:
+    if verdict in ("missing", "unknown"):
+        raise HTTPException(404, f"run {run_id!r} has no call {call_id!r} waiting for approval")
+    if verdict == "ended":
+        raise HTTPException(409, f"run {run_id} has already ended")
+    if verdict == "already":
+        raise HTTPException(409, f"call {call_id} was already decided")
+    return ControlReply(run_id=run_id, action=action, result=verdict,
+                        status=api.client.store.status(run_id))  # fmt: skip
+
+
+@router.post("/runs/{run_id}/calls/{call_id}/approve", responses=DECISION_ERRORS)
+def approve(run_id: OwnedRun, call_id: str, tenant: Tenant, api: Api) -> ControlReply:
+    """Let a call waiting for approval run (`call_id`: the model's tool call id)."""
+    verdict = api.client.decide(run_id, call_id, True, by=f"api:{tenant}")
+    return _decision(api, run_id, call_id, "approve", verdict)
+
+
+@router.post("/runs/{run_id}/calls/{call_id}/deny",
+             responses={**DECISION_ERRORS,
+                        400: {"model": Problem, "description": "a reason over the length limit"}})
+def deny(
+    run_id: OwnedRun, call_id: str, tenant: Tenant, api: Api, body: Annotated[DenyBody | None, Body()] = None
+) -> ControlReply:
+    """Refuse a call waiting for approval: the model gets a failed record with the reason."""
+    reason = (body or DenyBody()).reason
+    if len(reason) > REASON_MAX_CHARS:
+        raise HTTPException(400, f"reason has {len(reason):,} characters; the limit is {REASON_MAX_CHARS:,}")
+    verdict = api.client.decide(run_id, call_id, False, reason, by=f"api:{tenant}")
+    return _decision(api, run_id, call_id, "deny", verdict)
 
 
 # -- the app ------------------------------------------------------------------------------
 def create_app(settings: Settings | None = None, client: Client | None = None) -> FastAPI:
     settings = settings or get_settings()
-    state = ApiState(client=client or Client(settings), tokens=settings.tenant_tokens())
+    tokens = {token_digest(token): tenant for token, tenant in settings.tenant_tokens().items()}
+    state = ApiState(client=client or Client(settings), tokens=tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The socket must outlast one XREAD BLOCK.
-        state.events_redis = aioredis.Redis.from_url(
+        state.events_redis = connect_async(  # whatever the store's shape: Sentinel, Cluster
             settings.redis_url, decode_responses=True, socket_timeout=BLOCK_MS / 1000 + 10
         )
         try:
@@ -270,9 +405,26 @@ def create_app(settings: Settings | None = None, client: Client | None = None) -
         lifespan=lifespan,
     )
     app.state.api = state
+    app.middleware("http")(limit_body)
+    metrics.count_here()
+    state.metrics = metrics.registry(settings, multiprocess=False)
     app.include_router(router)
-    app.add_api_route("/api/health", health, methods=["GET"], tags=["health"])
+    app.add_api_route("/api/health", health, methods=["GET"], tags=["health"],
+                      responses={503: {"model": Problem, "description": "Redis unreachable"}})
+    app.add_api_route("/metrics", metrics_page, methods=["GET"], tags=["health"], response_class=Response,
+                      responses={200: {"content": {"text/plain": {}},
+                                       "description": "Prometheus text format"}})  # fmt: skip
     return app
+
+
+async def limit_body(request: Request, call_next: Any) -> Any:
+    """A body over API_BODY_MAX_BYTES is refused (400) before anything reads it whole."""
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > API_BODY_MAX_BYTES):
+        return JSONResponse({"detail": f"request body over {API_BODY_MAX_BYTES:,} bytes"}, status_code=400)
+    if size is None and request.headers.get("transfer-encoding"):  # chunked: no size to check first
+        return JSONResponse({"detail": "a request body needs a Content-Length"}, status_code=400)
+    return await call_next(request)
 
 
 def health(api: Api) -> dict[str, Any]:
@@ -283,12 +435,32 @@ def health(api: Api) -> dict[str, Any]:
         redis_ok = False
     if not redis_ok:
         raise HTTPException(503, "Redis unreachable")
-    return {"ok": True}
+    from orchestrator.doctor import sandbox_report
+
+    return {"ok": True, "sandbox": sandbox_report(api.client.store)}
+
+
+def metrics_page(api: Api) -> Response:
+    """Prometheus metrics, without a token: queue depth, live and paused runs, this process's counts."""
+    body, content_type = metrics.exposition(api.metrics)
+    return Response(body, media_type=content_type)
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     import uvicorn
 
-    uvicorn.run(
-        create_app(), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
-    )
+    uvicorn.run(create_app(), host=host, port=port, log_level=log_level, log_config=_log_config(),
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, in JSON lines when TOOLOOP_LOG_FORMAT=json."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    if get_settings().log_format == "json":
+        for name in config["formatters"]:
+            config["formatters"][name] = {"()": "orchestrator.logs.JsonFormatter"}
+    return config

@@ -125,12 +125,19 @@ def status(run_id: RunArg, as_json: JsonOpt = False) -> None:
 def list_runs(
     limit: Annotated[int, typer.Option(help="how many")] = 20,
     tenant: Annotated[str | None, typer.Option(help="only this tenant's runs")] = None,
+    pending: Annotated[bool, typer.Option("--pending", help="only runs waiting for an approval")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Recent runs, newest first."""
     from orchestrator.views import RunSummary, runs_table
 
-    runs = [RunSummary.from_row(row) for row in _client().list(limit, tenant)]
+    if pending:
+        from orchestrator.approvals import waiting_runs
+
+        rows = waiting_runs(_client().store, tenant=tenant)[:limit]
+    else:
+        rows = _client().list(limit, tenant)
+    runs = [RunSummary.from_row(row) for row in rows]
     if as_json:
         _print_json([run.model_dump(mode="json") for run in runs])
         return
@@ -180,12 +187,31 @@ def validate(spec: Annotated[Path, typer.Argument(help="run spec, YAML or JSON")
     print(f"{spec}: ok")
 
 
+@app.command("tools")
+def tools_command(as_json: JsonOpt = False) -> None:
+    """The live tool catalog: each tool's source (python, builtin, mcp, http) and workers."""
+    from orchestrator.catalog import live_tools, tools_rows
+    from orchestrator.store import RunStore
+    from orchestrator.views import plain_table
+
+    entries = live_tools(RunStore.from_settings())
+    if as_json:
+        _print_json(entries)
+        return
+    if not entries:
+        _fail("no live tool worker has published its tools", 1)
+    print(plain_table(tools_rows(entries)))
+    print("(http tools are declared per run, in specs: `http_tools`)", file=sys.stderr)
+
+
 # -- control --------------------------------------------------------------------
 def _control(verdict: str, run_id: str, action: str) -> None:
     if verdict == "missing":
         _fail(f"no run {run_id!r}", 2)
     if verdict == "ended":
         _fail(f"run {run_id} has already ended", 1)
+    if verdict == "full":
+        _fail(f"run {run_id} has too many steer messages waiting; try after its next turn", 1)
     print(f"{action}: {run_id} ({verdict})")
 
 
@@ -206,7 +232,11 @@ def steer(run_id: RunArg, text: Annotated[str, typer.Argument(help="guidance")])
     """Queue guidance for the run's next turn."""
     if not text.strip():
         _fail("steer text must not be empty", 2)
-    _control(_client().store.steer(run_id, text, by=_who()), run_id, "steer")
+    try:
+        verdict = _client().store.steer(run_id, text, by=_who())
+    except ValueError as exc:  # over the length limit
+        _fail(str(exc), 2)
+    _control(verdict, run_id, "steer")
 
 
 @app.command()
@@ -216,6 +246,37 @@ def abort(
 ) -> None:
     """End a run now: status and exit `aborted`."""
     _control(_client().store.abort(run_id, by=_who(), reason=reason), run_id, "abort")
+
+
+CallArg = Annotated[str, typer.Argument(help="the model's tool call id (shown by `tooloop watch`)")]
+
+
+def _decided(verdict: str, run_id: str, call_id: str, action: str) -> None:
+    if verdict == "missing":
+        _fail(f"no run {run_id!r}", 2)
+    if verdict == "unknown":
+        _fail(f"run {run_id} has no call {call_id!r} waiting for approval", 2)
+    if verdict == "ended":
+        _fail(f"run {run_id} has already ended", 1)
+    if verdict == "already":
+        _fail(f"call {call_id} of run {run_id} was already decided; this {action} changed nothing", 1)
+    print(f"{action}: {run_id} {call_id} (ok)")
+
+
+@app.command()
+def approve(run_id: RunArg, call_id: CallArg) -> None:
+    """Let a call waiting for approval run."""
+    _decided(_client().decide(run_id, call_id, True, by=_who()), run_id, call_id, "approve")
+
+
+@app.command()
+def deny(
+    run_id: RunArg,
+    call_id: CallArg,
+    reason: Annotated[str, typer.Option(help="told to the model")] = "denied by a person",
+) -> None:
+    """Refuse a call waiting for approval: the model gets a failed record with the reason."""
+    _decided(_client().decide(run_id, call_id, False, reason, by=_who()), run_id, call_id, "deny")
 
 
 def _who() -> str:
@@ -230,6 +291,9 @@ def worker(
     concurrency: Annotated[int | None, typer.Option("-c", "--concurrency", help="slots per pool")] = None,
     name: Annotated[str | None, typer.Option("-n", "--name", help="node name")] = None,
     loglevel: Annotated[str, typer.Option("-l", "--loglevel")] = "info",
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", help="serve Prometheus metrics of all pool processes (and /healthz) on this port",
+    )] = None,
 ) -> None:
     """A Celery worker for turns and/or tools."""
     from orchestrator.keys import Keys
@@ -240,13 +304,17 @@ def worker(
         plans = launcher.plan(Keys(get_settings().key_prefix), queues.split(","), concurrency)
     except ValueError as exc:
         _fail(str(exc), 2)
-    raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools))
+    raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools, metrics_port))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def flower(ctx: typer.Context) -> None:
-    """Flower on this app; arguments pass through (--port=5555)."""
-    os.environ.setdefault("FLOWER_UNAUTHENTICATED_API", "true")
+    """Flower on this app; arguments pass through (--port=5555, --basic-auth=user:password)."""
+    authenticated = any(os.environ.get(v) for v in ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")) or any(
+        a.startswith(("--basic-auth", "--basic_auth", "--auth")) for a in ctx.args)
+    if not authenticated:  # fine on a laptop; anywhere else Flower shows every task's arguments
+        _err("warning: Flower runs without authentication: set FLOWER_BASIC_AUTH=user:password")
+    os.environ.setdefault("FLOWER_UNAUTHENTICATED_API", "true")  # used only when no auth is set
     argv = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", *ctx.args]
     os.execv(sys.executable, argv)
 
@@ -278,7 +346,11 @@ def api(
     """The operator HTTP API (bearer tokens from TOOLOOP_API_TOKENS); OpenAPI at /docs."""
     from orchestrator.settings import get_settings
 
-    if not get_settings().tenant_tokens():
+    try:
+        tokens = get_settings().tenant_tokens()
+    except ValueError as exc:  # a duplicated token: refuse to start rather than guess its tenant
+        _fail(str(exc), 2)
+    if not tokens:
         _err("warning: TOOLOOP_API_TOKENS is empty: every /api/runs request will answer 401")
     from orchestrator.api import serve  # FastAPI only here: other commands stay fast
 

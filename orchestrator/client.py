@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator import telemetry
 from orchestrator.models import RunResult, RunSpec, Status
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
-from orchestrator.validation import SpecError, check_spec, parse_spec_data
+from orchestrator.validation import SpecError, bind_tenant, check_spec, parse_spec_data, run_id_error
 
 
 class Client:
@@ -37,14 +38,19 @@ class Client:
         from worker.app import enqueue_turn
         from worker.steps import initial_messages
 
+        if run_id is not None and (bad := run_id_error(run_id)):
+            raise SpecError([bad])
         spec = spec if isinstance(spec, RunSpec) else parse_spec_data(spec)
+        spec = bind_tenant(spec, self.settings.tenant)
         report = check_spec(spec, self.store)
         if report.errors:
             raise SpecError(report.errors)
         run_id = run_id or uuid.uuid4().hex
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
-        self.store.create(run_id, report.stored_spec, messages)
-        enqueue_turn(run_id, 1, self.celery)
+        traced = {"tooloop.tenant": spec.tenant, "tooloop.model": spec.model}
+        with telemetry.submit_span(self.store.keys.prefix, run_id, traced):
+            gen = self.store.create(run_id, report.stored_spec, messages)
+            enqueue_turn(run_id, 1, gen, self.celery)
         return RunHandle(self, run_id, warnings=report.warnings)
 
     def get(self, run_id: str) -> RunHandle:
@@ -57,14 +63,25 @@ class Client:
 
     def resume(self, run_id: str, by: str = "operator") -> str:
         """Resume a paused run: enqueue the step it was parked on."""
-        from worker.app import enqueue_call, enqueue_turn
+        from worker.app import send
 
-        kind, items = self.store.resume(run_id, by)
-        if kind == "turn":
-            enqueue_turn(run_id, items[0], self.celery)
-        for payload in items if kind == "calls" else []:
-            enqueue_call(payload, self.celery)
+        kind, dispatches = self.store.resume(run_id, by)
+        for dispatch in dispatches:
+            send(dispatch, self.celery)
         return "ok" if kind in ("turn", "calls", "none") else kind
+
+    def decide(self, run_id: str, call_id: str, approved: bool, reason: str = "",
+               by: str = "operator") -> str:  # fmt: skip
+        """Approve or deny a call waiting for a person: 'ok', or 'already' (decided before),
+        'unknown' (no such call waiting), 'ended', 'missing'. An approved call is dispatched;
+        a denied one is recorded failed with ``reason``, fed back to the model."""
+        from orchestrator.approvals import decide
+        from worker.app import enqueue_call
+
+        verdict, payload, gen = decide(self.store, run_id, call_id, approved, reason, by)
+        if payload is not None:
+            enqueue_call(payload, gen, self.celery)
+        return verdict
 
 
 class RunHandle:
@@ -116,6 +133,20 @@ class RunHandle:
 
     def steer(self, text: str, by: str = "operator") -> str:
         return self._store.steer(self.run_id, text, by)
+
+    def approve(self, call_id: str, by: str = "operator") -> str:
+        """Let a call waiting for approval run (``call_id``: the model's tool call id)."""
+        return self.client.decide(self.run_id, call_id, True, by=by)
+
+    def deny(self, call_id: str, reason: str = "", by: str = "operator") -> str:
+        """Refuse a call waiting for approval: the model gets a failed record with ``reason``."""
+        return self.client.decide(self.run_id, call_id, False, reason, by)
+
+    def pending_approvals(self) -> list[dict[str, Any]]:
+        """Calls of this run waiting for a decision."""
+        from orchestrator.approvals import pending
+
+        return pending(self._store, self.run_id)
 
     def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
         return self._store.abort(self.run_id, by, reason)

@@ -14,7 +14,7 @@ import tempfile
 from contextlib import ExitStack
 from typing import Any
 
-DEMO_KEY_ENV = "TOOLOOP_DEMO_API_KEY"
+DEMO_KEY_ENV = "DEMO_MODEL_API_KEY"  # matches the default TOOLOOP_ALLOWED_KEY_ENVS (*_API_KEY)
 
 STEPS: list[dict[str, Any]] = [
     {"delay": 0.4, "tool_calls": [
@@ -57,9 +57,11 @@ def run_demo(runs: int = 3) -> int:
         from orchestrator.settings import get_settings
         from orchestrator.views import RunSummary, runs_table, watch_run
 
-        get_settings.cache_clear()
         model = ScriptedModel().start()
         stack.callback(model.stop)
+        # The worker's key may go to the scripted model: the operator allows its endpoint.
+        env["TOOLOOP_ALLOWED_API_BASES"] = os.environ["TOOLOOP_ALLOWED_API_BASES"] = model.api_base
+        get_settings.cache_clear()
         _say("starting a worker (turns: threads pool, tools: prefork + sandbox; litellm loads in ~6 s)")
         proc = _start_worker(stack, env)
         client = Client()

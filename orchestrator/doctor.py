@@ -26,21 +26,42 @@ def diagnose() -> dict[str, Any]:
         maxmemory_policy=config.get("maxmemory-policy"),
     )
     keys = store.keys
-    report["queues"] = {
-        q: store.redis.llen(keys.broker_prefix + q) for q in (keys.turn_queue, keys.tool_queue)
-    }
+    report["queues"] = _queue_depths(settings, [keys.turn_queue, keys.tool_queue])
     now = time.time()
     report["workers"] = {
         name: {
             "queues": w.get("queues", []),
             "tools": len(w.get("tools", [])),
             "sandbox": w.get("sandbox", {}),
+            "sandbox_off": w.get("sandbox_off", {}),  # layer -> why it is off
             "seen_s_ago": round(now - w.get("seen", now), 1),
         }
         for name, w in store.live_workers().items()
     }
-    report["leases_due"] = store.redis.zcount(keys.leases(), "-inf", int(now * 1000))
+    report["leases_due"] = store.leases_due()
     return report
+
+
+def sandbox_report(store: RunStore) -> dict[str, Any]:
+    """Per live worker that serves tools: the sandbox layers live, and why the others are not
+    (``/api/health``)."""
+    return {
+        name: {"live": sorted(k for k, on in w.get("sandbox", {}).items() if on),
+               "off": w.get("sandbox_off", {})}
+        for name, w in store.live_workers().items()
+        if "sandbox" in w
+    }  # fmt: skip
+
+
+def _queue_depths(settings: Any, queues: list[str]) -> dict[str, Any]:
+    """From the broker itself (RabbitMQ or Redis): messages waiting in each queue."""
+    from worker.app import make_app
+    from worker.broker import queue_depths
+
+    try:
+        return {q: n or 0 for q, n in queue_depths(make_app(settings), queues).items()}
+    except Exception as exc:  # the broker is down: say so, keep the rest of the report
+        return {q: f"broker unreachable ({exc})" for q in queues}
 
 
 def render(report: dict[str, Any]) -> None:
@@ -63,3 +84,5 @@ def render(report: dict[str, Any]) -> None:
         layers = ", ".join(k for k, on in w["sandbox"].items() if on) or "-"
         console.print(f"worker {name}: queues={','.join(w['queues'])} tools={w['tools']} "
                       f"sandbox={layers} seen {w['seen_s_ago']}s ago")  # fmt: skip
+        for layer, why in w.get("sandbox_off", {}).items():
+            console.print(f"  [yellow]{layer} off[/yellow]: {why}", markup=True, highlight=False)

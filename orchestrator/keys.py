@@ -1,17 +1,28 @@
 """Every Redis key, queue name and TTL tooloop uses, in one place.
 
-Per-run keys share the hash tag ``{run_id}``, so the Lua scripts that update
-several of them at once stay atomic on Redis Cluster too. Global keys (the run
-index, the lease index, the worker registry) are only ever touched on their own.
+Runs are spread over ``SHARDS`` shards by a hash of their id. A run's keys and its
+shard's indexes (leases, runs, per-tenant runs, expiries) share the shard's hash tag
+``{s<n>}``: on Redis Cluster a shard is one slot, so the Lua scripts that update a run
+and its shard's indexes together stay atomic, and no script ever spans two shards.
+Each shard is swept on its own, under its own lock. Global keys (the worker
+registry) are only ever touched on their own.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 EVENTS_MAXLEN = 1000  # default progress events kept per run (approximate trim)
 WORKER_TTL_S = 30  # a worker not seen for this long is not live
 CATALOG_REFRESH_S = 10  # workers re-publish their catalog this often
+SHARDS = 32  # fixed for a deployment: a run's keys are named after its shard
+STEER_MAX = 100  # steer messages waiting for the next turn, per run
+
+
+def shard_of(run_id: str) -> int:
+    """Stable across processes and hosts (unlike ``hash()``)."""
+    return zlib.crc32(run_id.encode()) % SHARDS
 
 
 @dataclass(frozen=True)
@@ -19,8 +30,11 @@ class Keys:
     prefix: str
 
     # -- one run ------------------------------------------------------------
+    def _tag(self, shard: int) -> str:
+        return f"{self.prefix}:{{s{shard}}}"
+
     def _run(self, run_id: str, part: str) -> str:
-        return f"{self.prefix}:run:{{{run_id}}}:{part}"
+        return f"{self._tag(shard_of(run_id))}:run:{run_id}:{part}"
 
     def run(self, run_id: str) -> str:
         """Hash: status, iteration, tokens_used, exit, spec, timestamps, ..."""
@@ -35,11 +49,11 @@ class Keys:
         return self._run(run_id, "calls")
 
     def call_state(self, run_id: str) -> str:
-        """Hash ``<iteration>.<index>`` -> ``q|deadline`` / ``s|deadline`` / ``d``."""
+        """Hash ``<iteration>.<index>`` -> the call's state (see scripts.py), current turn only."""
         return self._run(run_id, "callstate")
 
     def call_args(self, run_id: str) -> str:
-        """Hash ``<iteration>.<index>`` -> tool task payload (for re-dispatch)."""
+        """Hash ``<iteration>.<index>`` -> tool task payload (for re-dispatch), current turn only."""
         return self._run(run_id, "callargs")
 
     def tool_messages(self, run_id: str) -> str:
@@ -58,7 +72,17 @@ class Keys:
         """Hash: supervisor rules fired, judge in flight, detector state."""
         return self._run(run_id, "supervisor")
 
+    def claims(self, run_id: str) -> str:
+        """Hash owner token -> iteration: turn claims whose reply is not billed yet."""
+        return self._run(run_id, "claims")
+
+    def approvals(self, run_id: str) -> str:
+        """Hash ``<iteration>.<index>`` -> approval record JSON; ``id:<call_id>`` -> the key
+        (orchestrator/approvals.py)."""
+        return self._run(run_id, "approvals")
+
     def all_for_run(self, run_id: str) -> list[str]:
+        """The run's own keys, in the order scripts.PRELUDE names them."""
         return [
             self.run(run_id),
             self.messages(run_id),
@@ -69,27 +93,46 @@ class Keys:
             self.steer(run_id),
             self.events(run_id),
             self.supervisor(run_id),
+            self.claims(run_id),
+            self.approvals(run_id),  # expires with the run (orchestrator/approvals.py)
         ]
 
+    def script_keys(self, run_id: str) -> list[str]:
+        """KEYS of every run script: the run's keys, then its shard's indexes."""
+        return self.all_for_run(run_id) + self.shard_keys(shard_of(run_id))
+
+    # -- one shard ------------------------------------------------------------
+    def runs(self, shard: int) -> str:
+        """Sorted set run_id -> created_at (ms): `tooloop list` merges the shards."""
+        return f"{self._tag(shard)}:runs"
+
+    def tenant_runs(self, tenant: str, shard: int) -> str:
+        """Sorted set run_id -> created_at (ms), one per tenant and shard: the API's list."""
+        return f"{self._tag(shard)}:tenant:{tenant}:runs"
+
+    def leases(self, shard: int) -> str:
+        """Sorted set run_id -> when the sweeper must look at the run next (ms)."""
+        return f"{self._tag(shard)}:leases"
+
+    def expiries(self, shard: int) -> str:
+        """Sorted set ``run_id<TAB>tenant`` -> when the ended run's keys expire (ms)."""
+        return f"{self._tag(shard)}:expiries"
+
+    def sweep_lock(self, shard: int) -> str:
+        return f"{self._tag(shard)}:sweeper"
+
+    def shard_keys(self, shard: int) -> list[str]:
+        return [self.leases(shard), self.runs(shard), self.expiries(shard)]
+
     # -- global -------------------------------------------------------------
-    def runs(self) -> str:
-        """Sorted set run_id -> created_at (ms): `tooloop list`."""
-        return f"{self.prefix}:runs"
-
-    def tenant_runs(self, tenant: str) -> str:
-        """Sorted set run_id -> created_at (ms), one per tenant: the operator API's list."""
-        return f"{self.prefix}:tenant:{tenant}:runs"
-
-    def leases(self) -> str:
-        """Sorted set run_id -> when the sweeper should look at the run (ms)."""
-        return f"{self.prefix}:leases"
-
     def workers(self) -> str:
         """Hash worker name -> JSON {seen, queues, tools: [ToolDef...]}."""
         return f"{self.prefix}:workers"
 
-    def sweep_lock(self) -> str:
-        return f"{self.prefix}:sweeper"
+    def rate_bucket(self, scope: str) -> str:
+        """Hash {level, ts}: one token bucket of the shared rate limits, e.g.
+        ``model:openai/gpt-4o:rpm``. One hash tag for all, so one script takes from several."""
+        return f"{self.prefix}:{{ratelimit}}:{scope}"
 
     # -- Celery -------------------------------------------------------------
     @property
@@ -98,7 +141,12 @@ class Keys:
 
     @property
     def tool_queue(self) -> str:
+        """Calls any tool worker can answer (a tool the spec does not allow: UnknownTool)."""
         return f"{self.prefix}.tools"
+
+    def tool_queue_of(self, tool: str) -> str:
+        """Calls of one tool: consumed only by workers that have it."""
+        return f"{self.prefix}.tools.{tool}"
 
     @property
     def broker_prefix(self) -> str:

@@ -42,6 +42,15 @@ def embedded_redis() -> tuple[str, Any]:
     return f"redis://127.0.0.1:{port}/0", server
 
 
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM (a warm shutdown) when the process that started
+    it dies, even by SIGKILL or a ``timeout`` that skips its clean-up, so no worker of a
+    dead demo or test session goes on consuming from its queues."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class WorkerProcess:
     """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot)."""
 
@@ -53,7 +62,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
                 env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-                stdout=out, stderr=subprocess.STDOUT,
+                stdout=out, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent,
             )  # fmt: skip
 
     def wait_ready(self, store: Any, roles: tuple[str, ...] = ("turns", "tools"),
@@ -67,6 +76,7 @@ class WorkerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
             time.sleep(0.1)
+        self.kill()  # not left behind, half up, to take messages later
         raise TimeoutError(f"worker {self.name} not ready:\n{self.tail()}")
 
     def tail(self, chars: int = 4000) -> str:
@@ -78,7 +88,18 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
+    def freeze(self) -> None:
+        """SIGSTOP the whole worker: a partition (it holds what it took, does nothing)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: the partition heals."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 20) -> None:
+        self.thaw()  # a frozen worker cannot act on SIGTERM
         if self.proc.poll() is None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):

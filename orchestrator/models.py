@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.http_tools import HttpTool
+
 
 class Status(StrEnum):
     queued = "queued"  # written, first turn not started yet
@@ -137,11 +139,12 @@ class SupervisorSpec(_Strict):
 class SandboxPolicy(_Strict):
     """Per-run limits of every tool call (see docs/sandbox.md for what enforces each)."""
 
-    network: bool = False  # bubblewrap layer only: the forked layer cannot cut the network
+    network: bool = False  # off: bwrap's empty netns, else Landlock (TCP) + seccomp (sockets)
     memory_mb: int = Field(default=1024, ge=16)  # address space per tool process
     cpu_s: int = Field(default=60, ge=1)  # CPU seconds per tool process
     max_processes: int = Field(default=64, ge=1)  # processes+threads of a call (worker as root)
     max_file_mb: int = Field(default=256, ge=1)
+    max_disk_mb: int = Field(default=1024, ge=1)  # the run's folder in all (worker/sandbox/quota.py)
     max_open_files: int = Field(default=256, ge=16)
     allowed_commands: list[str] | None = None  # shell: first word must be one of these
 
@@ -152,6 +155,9 @@ class SandboxPolicy(_Strict):
         if bad:
             raise ValueError(f"allowed_commands must be single words (program names): {bad}")
         return names
+
+
+MAX_TOOL_CALLS_PER_TURN = 1000  # the ceiling a spec may raise max_tool_calls_per_turn to
 
 
 class RunSpec(_Strict):
@@ -171,6 +177,18 @@ class RunSpec(_Strict):
     steering_files: list[str] = Field(default_factory=list)
     skills: list[str] = Field(default_factory=list)
     sandbox: SandboxPolicy = Field(default_factory=SandboxPolicy)
+    scrub_model_input: bool = True  # false: the model sees tool outputs with secrets unmasked
+    context_tokens: int | None = Field(default=None, ge=1000)  # compaction threshold (estimated)
+    max_tool_output_chars: int = Field(default=50_000, ge=1000)  # one tool result, as the model sees it
+    fallbacks: list[str] = Field(default_factory=list)  # models tried in order, sharing model_params
+    cost_budget_usd: float | None = Field(default=None, gt=0)
+    # HTTP calls the model may make (orchestrator/http_tools.py); paths of an agent's
+    # tools/*.yaml are read at submit and stored inline
+    http_tools: list[HttpTool | str] = Field(default_factory=list)
+    approval: list[str] = Field(default_factory=list)  # tools whose calls wait for a person
+    approval_timeout_s: float = Field(default=24 * 3600, gt=0)  # then the call is denied
+    # one reply asking for more calls ends the run on error (TooManyToolCalls), none run
+    max_tool_calls_per_turn: int = Field(default=32, ge=1, le=MAX_TOOL_CALLS_PER_TURN)
 
     @field_validator("prompt", "model", "tenant")
     @classmethod
@@ -185,6 +203,22 @@ class RunSpec(_Strict):
         if len(set(names)) != len(names):
             raise ValueError("tool names must be unique")
         return names
+
+    @field_validator("fallbacks")
+    @classmethod
+    def _fallback_models(cls, models: list[str]) -> list[str]:
+        if any(not m.strip() for m in models):
+            raise ValueError("fallback models must be non-empty model strings")
+        return models
+
+    @field_validator("model_params")
+    @classmethod
+    def _timeout(cls, params: dict[str, Any]) -> dict[str, Any]:
+        timeout = params.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or timeout <= 0):  # fmt: skip
+            raise ValueError("timeout must be a number of seconds > 0")
+        return params
 
 
 class ToolCallRecord(BaseModel):
@@ -205,7 +239,10 @@ class RunResult(BaseModel):
     content: str | None = None
     result: Any = None
     iterations: int = 0
-    tokens_used: int = 0
+    tokens_used: int = 0  # every model call: turns, compaction and judge
+    tokens_compaction: int = 0  # of which compaction summaries
+    tokens_judge: int = 0  # of which the supervisor's judge
+    cost_usd: float = 0.0  # priced from litellm's cost data (0 for models it does not know)
     terminated_by_limit: bool = False
     error: str | None = None
     error_type: str | None = None

@@ -11,8 +11,17 @@ A step is a dict, or a callable ``(request) -> dict``:
   ``{"content": "the answer"}``                                 answer
   ``{"status": 500, "error": "boom"}``                          fail the HTTP call
   plus ``"delay": seconds``, ``"tokens": total_tokens`` (default 30),
-  ``"hold": threading.Event`` (answer only once it is set).
-A request with ``"stream": true`` gets the same answer as server-sent chunks.
+  ``"hold": threading.Event`` (answer only once it is set),
+  ``"fail": [429, 503, "hang", {"status": 400, "error": "..."}, ...]``: the first attempts
+  at this step (same last message) fail with these (``"hang"``: no answer for 600 s) before it answers;
+  ``"retry_after": s`` sends a Retry-After header with them;
+  ``"trickle": seconds`` (send the answer's first bytes at once, then one byte every half
+  second for that long: a reply that never times out on a per-read timeout).
+A request with ``"stream": true`` gets the same answer as server-sent chunks: the
+content in pieces of ``"chunk_chars"`` (default: all at once) ``"chunk_delay"``
+seconds apart, usage in the last chunk; ``"stall": seconds`` waits after the first piece.
+Requests whose system prompt starts with ``SUMMARY_MARKER`` (context compaction)
+are answered by ``summaries[script]`` (default: a short summary), not by the script.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 Step = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]
+SUMMARY_MARKER = "You compress the history of an agent's run"  # worker/compaction.py's prompt
+HANG_S = 600.0
 
 
 class ScriptedModel:
@@ -34,6 +45,8 @@ class ScriptedModel:
         self.scripts: dict[str, list[Step]] = {}
         self.requests: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.default_delay = 0.0
+        self.summaries: dict[str, Step] = {}  # script name -> the answer to compaction requests
+        self.attempts: dict[tuple[str, int, str], int] = defaultdict(int)  # requests per step and point
         self._lock = threading.Lock()
         self._server = _Server((host, port), _handler(self))
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -60,23 +73,58 @@ class ScriptedModel:
     def calls(self, model: str) -> list[dict[str, Any]]:
         return self.requests[model.removeprefix("openai/")]
 
-    def answer(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def summary_requests(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.calls(model) if is_summary_request(r)]
+
+    def turn_requests(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.calls(model) if not is_summary_request(r)]
+
+    def answer(self, request: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """(HTTP status, body, the step: its streaming and header options)."""
         name = request.get("model", "")
+        request["_received"] = time.time()  # for tests of pacing (rate limits)
         with self._lock:
             self.requests[name].append(request)
         steps = self.scripts.get(name)
         if steps is None:
-            return 404, {"error": {"message": f"no script {name!r}", "type": "not_found"}}
-        turn = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
-        step = steps[min(turn, len(steps) - 1)]
+            return 404, {"error": {"message": f"no script {name!r}", "type": "not_found"}}, {}
+        if is_summary_request(request):
+            step = self.summaries.get(name) or {"content": "Summary: earlier turns called tools."}
+            index = -1
+        else:
+            index = sum(1 for m in request.get("messages", []) if m.get("role") == "assistant")
+            index = min(index, len(steps) - 1)
+            step = steps[index]
         step = step(request) if callable(step) else step
+        # an attempt is a request for the same step at the same point of the conversation
+        # (its last message): a retry, or a retry with a trimmed history
+        point = (name, index, json.dumps((request.get("messages") or [None])[-1], sort_keys=True))
+        with self._lock:
+            self.attempts[point] += 1
+            attempt = self.attempts[point]
+        failures = step.get("fail") or []
+        if attempt <= len(failures):
+            return self._failure(failures[attempt - 1], step)
         if "hold" in step:
             step["hold"].wait(600)
         time.sleep(step.get("delay", self.default_delay))
         if "status" in step:
             return step["status"], {"error": {"message": step.get("error", "scripted failure"),
-                                              "type": "server_error"}}  # fmt: skip
-        return 200, completion(name, step)
+                                              "type": "server_error"}}, step  # fmt: skip
+        return 200, completion(name, step), step
+
+    @staticmethod
+    def _failure(kind: Any, step: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """``kind``: a status, ``"hang"``, or ``{"status": 400, "error": "...", "code": "..."}``."""
+        if kind == "hang":
+            time.sleep(HANG_S)
+            kind = 504
+        given = kind if isinstance(kind, dict) else {"status": kind}
+        status = int(given["status"])
+        kinds = {429: "rate_limit_exceeded", 408: "timeout", 400: "invalid_request_error"}
+        error = {"message": given.get("error", f"scripted {status}"),
+                 "type": kinds.get(status, "server_error"), "code": given.get("code")}  # fmt: skip
+        return status, {"error": error}, step
 
 
 def completion(model: str, step: dict[str, Any]) -> dict[str, Any]:
@@ -108,19 +156,29 @@ def completion(model: str, step: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def stream_body(body: dict[str, Any]) -> bytes:
-    """The completion as server-sent chunks, as OpenAI streams it (usage in the last one)."""
+def is_summary_request(request: dict[str, Any]) -> bool:
+    messages = request.get("messages") or [{}]
+    return str(messages[0].get("content") or "").startswith(SUMMARY_MARKER)
+
+
+def stream_events(body: dict[str, Any], chunk_chars: int | None = None) -> list[bytes]:
+    """The completion as server-sent events, as OpenAI streams it: the content in pieces
+    of ``chunk_chars``, tool calls in the last piece, usage in the final chunk."""
     message = body["choices"][0]["message"]
-    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    content = message.get("content") or ""
+    size = chunk_chars or max(1, len(content))
+    pieces = [content[i : i + size] for i in range(0, len(content), size)] or [content or None]
     base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    chunks = []
+    for i, piece in enumerate(pieces):
+        delta: dict[str, Any] = {"content": piece} | ({"role": "assistant"} if i == 0 else {})
+        if i == len(pieces) - 1 and message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(message["tool_calls"])]
+        chunks.append({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
     finish = body["choices"][0]["finish_reason"]
-    chunks = [
-        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": body["usage"]},
-    ]
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                   "usage": body["usage"]})  # fmt: skip
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
 
 
 class _Server(ThreadingHTTPServer):
@@ -136,17 +194,50 @@ def _handler(model: ScriptedModel) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             request = json.loads(self.rfile.read(length) or b"{}")
-            status, body = model.answer(request)
-            streamed = status == 200 and bool(request.get("stream"))
-            data = stream_body(body) if streamed else json.dumps(body).encode()
+            request["_peer"] = self.client_address[0]  # which host called (tests of many hosts)
+            status, body, step = model.answer(request)
             try:
+                if status == 200 and request.get("stream"):
+                    self._stream(body, step)
+                    return
+                data = json.dumps(body).encode()
+                trickle = float(step.get("trickle") or 0) if status == 200 else 0.0
+                if trickle:  # JSON may start with blanks: one per half second
+                    data = b" " * int(trickle * 2) + data
                 self.send_response(status)
-                self.send_header("Content-Type", "text/event-stream" if streamed else "application/json")
+                self.send_header("Content-Type", "application/json")
+                if step.get("retry_after") is not None and status != 200:
+                    self.send_header("Retry-After", str(step["retry_after"]))
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                self.wfile.write(self._trickle(data, trickle) if trickle else data)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the caller died meanwhile (a killed worker): nothing to answer
+
+        def _trickle(self, data: bytes, seconds: float) -> bytes:
+            """Dribble the body one byte per half second for ``seconds``; returns the rest."""
+            deadline = time.monotonic() + seconds
+            while len(data) > 1 and time.monotonic() < deadline:
+                self.wfile.write(data[:1])
+                self.wfile.flush()
+                data = data[1:]
+                time.sleep(0.5)
+            return data
+
+        def _stream(self, body: dict[str, Any], step: dict[str, Any]) -> None:
+            """Server-sent events, chunked, paced by the step's chunk_delay and stall."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i, event in enumerate(stream_events(body, step.get("chunk_chars"))):
+                if i == 1 and step.get("stall"):
+                    time.sleep(step["stall"])
+                elif i and step.get("chunk_delay"):
+                    time.sleep(step["chunk_delay"])
+                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def log_message(self, *_: Any) -> None:
             return

@@ -1,301 +1,706 @@
 """Lua scripts: each state change of a run is one atomic round trip.
 
-Every script receives the same KEYS, the run's keys in the order of
-``Keys.all_for_run`` (they share one hash tag), so the helpers in ``PRELUDE``
-can name them. Deadlines are milliseconds since the epoch, passed in by the
-caller so all workers agree on one clock source per step.
+Every script receives the same KEYS: the run's own keys (``Keys.all_for_run``), then
+its shard's lease index, run index and expiry index (``Keys.shard_keys``). They all
+share the shard's hash tag, so each script touches one slot (Redis Cluster-safe).
+ARGV starts with the same five values (run id, lease ms, events cap, retention s,
+attempts per step), read by ``PRELUDE``; a script's own arguments follow (``arg(i)``).
 
-Call states (hash CSTATE, one field per call ``<iteration>.<index>``):
-  ``q|<deadline>``  dispatched, not started; re-dispatched after the deadline
-  ``s|<deadline>``  started under a lease the executing worker heartbeats
-  ``x|<deadline>``  started, then its lease expired: re-dispatched; a re-run
-                    happens only for idempotent tools
-  ``d``             recorded
+Time is Redis's (``TIME``), never the caller's: a host with a skewed clock cannot
+shorten or stretch a lease.
+
+Owners and fencing. Each claim (a turn, a call's start) carries a fresh owner token.
+Heartbeats, records, failures and hand-backs act only for the step's latest owner: a
+holder whose step was taken over records nothing. A holder whose lease lapsed but
+whom nobody replaced yet may carry on (its heartbeat re-takes the step).
+
+Dispatch generations. Every message of a step carries the step's generation; each
+re-send increments it, and a delivery of an older one is dropped. The sweeper
+re-sends a step only when its message is known consumed (its holder was lost, or it
+failed) or, for a message never taken, once it is found missing from the queue.
+
+Attempts. Each claim counts one attempt of its step; past ``attempts per step`` the
+step is recorded failed with its last error and the run ends on ``error``.
+
+Call states (hash CSTATE, one field per call ``<iteration>.<index>`` of the current
+turn), ``kind|deadline|attempts|gen|taken|owner|error``:
+  ``q``  dispatched, not started; deadline = when to check on its message
+  ``s``  started under a lease its owner heartbeats
+  ``x``  started, then its lease lapsed and it was re-sent: re-run only if idempotent
+  ``d``  recorded (the whole value)
+``taken`` is the generation of the last message a worker took for the call.
+
+Turn fields on the run hash: ``turn_gen``, ``turn_taken``, ``turn_claimed`` (1 while a
+holder's lease is live), ``turn_owner``, ``turn_deadline``, ``turn_attempts``,
+``turn_error``. Billing: each claim's owner is kept in CLAIMS until its reply is billed,
+so any reply (recorded, discarded, or of a failed attempt) is counted once.
 """
 
 PRELUDE = """
-local RUN, MSGS, CALLS, CSTATE, CARGS, TMSGS, STEER, EVENTS, SUP =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local RUN, MSGS, CALLS, CSTATE, CARGS, TMSGS, STEER, EVENTS, SUP, CLAIMS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local NRUN = 11  -- KEYS[11]: the approvals hash (orchestrator/approvals.py), expired with the run
+local LEASES, RUNS, EXPIRY = KEYS[12], KEYS[13], KEYS[14]
+local RUN_ID, LEASE, MAXLEN, TTL, CAP =
+  ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local function arg(i) return ARGV[5 + i] end
+local clock = redis.call('TIME')
+local NOW = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 local function ended(status)
   return status == 'completed' or status == 'failed' or status == 'aborted'
 end
 
-local function event(maxlen, now, kind, ...)
-  redis.call('XADD', EVENTS, 'MAXLEN', '~', maxlen, '*', 'type', kind, 'ts', now, ...)
+local function event(kind, ...)
+  redis.call('XADD', EVENTS, 'MAXLEN', '~', MAXLEN, '*', 'type', kind, 'ts', NOW, ...)
 end
 
-local function expire_all(ttl)
-  for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+local function expire_all()
+  for i = 1, NRUN do redis.call('EXPIRE', KEYS[i], TTL) end
 end
 
--- Ends the run: result fields, the outcome event, the retention clock.
-local function finish(now, maxlen, ttl, status, exit, content, result, err, err_type)
+local function int(x) return string.format('%d', x) end
+
+-- A call's state, parsed; states written before owners existed read as attempts 0.
+local function parse(raw)
+  if not raw then return nil end
+  if raw == 'd' then return {kind = 'd'} end
+  local k, d, a, g, t, o, e =
+    string.match(raw, '^(%a)|(%-?%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
+  if not k then
+    return {kind = string.sub(raw, 1, 1), deadline = tonumber(string.sub(raw, 3)) or 0,
+            attempts = 0, gen = 0, taken = 0, owner = '', err = ''}
+  end
+  return {kind = k, deadline = tonumber(d), attempts = tonumber(a), gen = tonumber(g),
+          taken = tonumber(t), owner = o, err = e}
+end
+
+local function put(key, c)
+  redis.call('HSET', CSTATE, key, table.concat({c.kind, int(c.deadline), int(c.attempts),
+    int(c.gen), int(c.taken), c.owner, c.err}, '|'))
+end
+
+-- When the sweeper must look at this run next: its earliest lease or dispatch
+-- deadline (or its pause deadline). Every script that moves a deadline calls this.
+local function next_look()
+  local st = redis.call('HMGET', RUN, 'status', 'phase', 'turn_deadline', 'pause_deadline')
+  if not st[1] or ended(st[1]) then redis.call('ZREM', LEASES, RUN_ID) return end
+  local paused = st[1] == 'paused'
+  local t = paused and tonumber(st[4]) or nil
+  local function consider(d) if d and (not t or d < t) then t = d end end
+  if st[2] == 'turn' and not paused then consider(tonumber(st[3])) end
+  if st[2] == 'tools' then
+    for _, raw in ipairs(redis.call('HVALS', CSTATE)) do
+      local c = parse(raw)
+      if c.kind ~= 'd' and not (paused and c.kind ~= 's') then consider(c.deadline) end
+    end
+  end
+  redis.call('ZADD', LEASES, t or (NOW + LEASE), RUN_ID)
+end
+
+-- Ends the run: result fields, the outcome event, the retention clock; the expiry
+-- index tells the janitor when to drop it from the run indexes.
+local function finish(status, exit, content, result, err, err_type)
   redis.call('HSET', RUN, 'status', status, 'exit', exit, 'content', content,
     'result', result, 'error', err, 'error_type', err_type, 'phase', 'done',
-    'ended_at', now, 'updated_at', now)
-  event(maxlen, now, 'outcome', 'iteration', redis.call('HGET', RUN, 'iteration'),
-    'exit', exit, 'status', status)
-  expire_all(ttl)
+    'ended_at', NOW, 'updated_at', NOW)
+  event('outcome', 'iteration', redis.call('HGET', RUN, 'iteration'), 'exit', exit,
+    'status', status)
+  expire_all()
+  redis.call('ZREM', LEASES, RUN_ID)
+  local tenant = redis.call('HGET', RUN, 'tenant') or 'default'
+  redis.call('ZADD', EXPIRY, NOW + TTL * 1000, RUN_ID .. '\\t' .. tenant)
 end
 
-local function deadline_of(state)
-  return tonumber(string.sub(state, 3)) or 0
+local function gave_up_text(step, attempts, err)
+  local why = (err and err ~= '') and err or 'its worker was lost or timed out each time'
+  return 'StepFailed: ' .. step .. ' failed ' .. attempts .. ' attempts; last: ' .. why
+end
+
+-- A turn past its attempts: the run ends on error.
+local function give_up_turn(it, attempts, err)
+  finish('failed', 'error', '', '', gave_up_text('turn ' .. it, attempts, err), 'StepFailed')
+end
+
+-- A call past its attempts: recorded failed (built here, whatever its payload holds),
+-- then the run ends on error.
+local function give_up_call(key, c)
+  local text = gave_up_text('tool call ' .. key, c.attempts, c.err)
+  local ok, p = pcall(cjson.decode, redis.call('HGET', CARGS, key) or '')
+  if not ok or type(p) ~= 'table' then p = {} end
+  local it = tonumber(string.match(key, '^(%d+)')) or 0
+  local name = p.tool
+  if type(name) ~= 'string' then name = '?' end
+  local call_id = p.call_id
+  if type(call_id) ~= 'string' then call_id = key end
+  redis.call('HSET', CALLS, key, cjson.encode({call_id = call_id, tool_name = name,
+    duration_ms = 0, success = false, error = text, iteration = it}))
+  redis.call('HSET', CSTATE, key, 'd')
+  event('tool_call', 'iteration', it, 'tool', name, 'success', 0)
+  finish('failed', 'error', '', '', text, 'StepFailed')
+end
+
+-- A model reply's usage, '<tokens> <cost usd>' (kind: also counted apart, e.g. 'judge').
+local function add_usage(usage, kind)
+  local n, cost = string.match(usage, '^(%d+) ?([^ ]*)$')
+  local total = redis.call('HINCRBY', RUN, 'tokens_used', n)
+  if kind then redis.call('HINCRBY', RUN, 'tokens_' .. kind, n) end
+  if cost ~= '' and tonumber(cost) > 0 then redis.call('HINCRBYFLOAT', RUN, 'cost_usd', cost) end
+  return total
+end
+
+local function tokens_of(usage) return tonumber(string.match(usage, '^(%d+)')) or 0 end
+
+-- Bills the reply of one claim (usage '<tokens> <cost usd>'), once: -> tokens_used, billed
+local function bill(owner, usage)
+  if owner ~= '' and redis.call('HDEL', CLAIMS, owner) == 1 then
+    return add_usage(usage), true
+  end
+  return tonumber(redis.call('HGET', RUN, 'tokens_used')) or 0, false
 end
 """
 
-# ARGV: now, maxlen, spec, tenant, first turn deadline, messages... -> 1 | 0 (exists)
+# KEYS: + the tenant's run index. ARGV: spec, tenant, messages... -> generation | 0 (exists)
 CREATE = """
 if redis.call('EXISTS', RUN) == 1 then return 0 end
-local now, maxlen = ARGV[1], ARGV[2]
-redis.call('HSET', RUN, 'spec', ARGV[3], 'tenant', ARGV[4],
+redis.call('HSET', RUN, 'spec', arg(1), 'tenant', arg(2),
   'status', 'queued', 'phase', 'turn', 'iteration', 0, 'tokens_used', 0,
-  'pending', 0, 'ncalls', 0, 'turn_claimed', 0, 'turn_deadline', ARGV[5],
-  'created_at', now, 'updated_at', now)
-for i = 6, #ARGV do redis.call('RPUSH', MSGS, ARGV[i]) end
-event(maxlen, now, 'queued')
+  'pending', 0, 'ncalls', 0, 'turn_claimed', 0, 'turn_gen', 1, 'turn_taken', 0,
+  'turn_attempts', 0, 'turn_owner', '', 'turn_error', '', 'turn_deadline', NOW + LEASE,
+  'created_at', NOW, 'updated_at', NOW)
+for i = 3, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) end
+event('queued')
+redis.call('ZADD', RUNS, NOW, RUN_ID)
+redis.call('ZADD', KEYS[15], NOW, RUN_ID)
+redis.call('ZADD', LEASES, NOW + LEASE, RUN_ID)
 return 1
 """
 
-# ARGV: iteration wanted, now, lease deadline, maxlen
-# -> {'ok', spec, tokens_used, messages...} | {'ended'|'paused'|'stale'|'busy'|'missing'}
+# ARGV: iteration wanted, generation, owner
+# -> {'ok', spec, tokens_used, attempts, corrections, cost_usd, messages...}
+#  | {'ended'|'paused'|'stale'|'busy'|'missing'|'gave_up'}
 CLAIM_TURN = """
 local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_claimed',
-  'turn_deadline', 'spec', 'tokens_used')
+  'turn_deadline', 'spec', 'tokens_used', 'turn_gen', 'turn_attempts', 'turn_error',
+  'corrections', 'cost_usd')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
 if st[1] == 'paused' then return {'paused'} end
-if tonumber(st[2]) + 1 ~= tonumber(ARGV[1]) or st[3] ~= 'turn' then return {'stale'} end
-local now = tonumber(ARGV[2])
-if st[4] == '1' and tonumber(st[5]) > now then return {'busy'} end
-redis.call('HSET', RUN, 'status', 'running', 'turn_claimed', 1, 'turn_deadline', ARGV[3],
-  'updated_at', ARGV[2])
-redis.call('HSETNX', RUN, 'started_at', ARGV[2])
+local it = tonumber(arg(1))
+if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' then return {'stale'} end
+if tonumber(arg(2)) < (tonumber(st[8]) or 0) then return {'stale'} end  -- superseded message
+if st[4] == '1' and tonumber(st[5]) > NOW then return {'busy'} end
+local attempts = (tonumber(st[9]) or 0) + 1
+redis.call('HSET', RUN, 'turn_taken', arg(2))
+if attempts > CAP then
+  give_up_turn(it, attempts - 1, st[10])
+  return {'gave_up'}
+end
+redis.call('HSET', RUN, 'status', 'running', 'turn_claimed', 1, 'turn_owner', arg(3),
+  'turn_deadline', NOW + LEASE, 'turn_attempts', attempts, 'updated_at', NOW)
+redis.call('HSETNX', RUN, 'started_at', NOW)
+redis.call('HSET', CLAIMS, arg(3), it)
 local steer = redis.call('LRANGE', STEER, 0, -1)
 if #steer > 0 then
   redis.call('DEL', STEER)
   for i = 1, #steer do redis.call('RPUSH', MSGS, steer[i]) end
-  event(ARGV[4], ARGV[2], 'control', 'action', 'steer_applied', 'count', #steer)
+  event('control', 'action', 'steer_applied', 'count', #steer)
 end
-local out = {'ok', st[6], st[7]}
+next_look()
+local out = {'ok', st[6], st[7], attempts, st[11] or '0', st[12] or '0'}
 for _, m in ipairs(redis.call('LRANGE', MSGS, 0, -1)) do out[#out + 1] = m end
 return out
 """
 
-# ARGV: iteration, now, maxlen, ttl, assistant message, tokens, kind,
-#   kind 'finish': status, exit, content, result, error, error_type
-#   kind 'tools':  deadline, then (key, payload) pairs
-# -> 'finished' | 'dispatch' | 'discarded' | 'stale'
+# ARGV: iteration, owner, assistant message, usage ('<tokens> <cost usd>'), kind,
+#   kind 'finish':   status, exit, content, result, error, error_type
+#   kind 'tools':    (key, payload) pairs
+#   kind 'continue': messages to append (a corrective message): the next turn is due
+# -> 'finished' | 'dispatch' | 'continue:<next turn generation>' | 'discarded' (run ended)
+#  | 'stale' (not the turn's owner) | 'missing'. The reply's usage is billed in every
+#  case but 'missing'.
 RECORD_REPLY = """
-local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase')
-if not st[1] or ended(st[1]) then return 'discarded' end
-local it = tonumber(ARGV[1])
-if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' then return 'stale' end
-local now, maxlen = ARGV[2], ARGV[3]
-redis.call('RPUSH', MSGS, ARGV[5])
-local tokens = redis.call('HINCRBY', RUN, 'tokens_used', ARGV[6])
-redis.call('HSET', RUN, 'iteration', it, 'turn_claimed', 0, 'updated_at', now)
-if ARGV[7] == 'finish' then
-  event(maxlen, now, 'iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens)
-  finish(now, maxlen, ARGV[4], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13])
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner')
+if not st[1] then return 'missing' end
+local it, owner = tonumber(arg(1)), arg(2)
+local tokens, billed = bill(owner, arg(4))
+if ended(st[1]) then return 'discarded' end
+if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' or st[4] ~= owner then
+  if billed then
+    event('discarded', 'iteration', it, 'tokens', tokens_of(arg(4)), 'tokens_used', tokens)
+  end
+  return 'stale'
+end
+redis.call('RPUSH', MSGS, arg(3))
+redis.call('HSET', RUN, 'iteration', it, 'turn_claimed', 0, 'updated_at', NOW)
+if arg(5) == 'finish' then
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens)
+  finish(arg(6), arg(7), arg(8), arg(9), arg(10), arg(11))
   return 'finished'
 end
-local n = (#ARGV - 8) / 2
-event(maxlen, now, 'iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens)
-redis.call('HSET', RUN, 'phase', 'tools', 'pending', n, 'ncalls', n)
-for i = 9, #ARGV, 2 do
-  redis.call('HSET', CSTATE, ARGV[i], 'q|' .. ARGV[8])
-  redis.call('HSET', CARGS, ARGV[i], ARGV[i + 1])
+if arg(5) == 'continue' then
+  for i = 6, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) end
+  redis.call('HINCRBY', RUN, 'corrections', 1)
+  local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+  redis.call('HSET', RUN, 'turn_attempts', 0, 'turn_owner', '', 'turn_error', '',
+    'turn_deadline', NOW + LEASE)
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'corrected', 1)
+  next_look()
+  return 'continue:' .. gen
 end
+local n = (#ARGV - 10) / 2
+event('iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens)
+redis.call('HSET', RUN, 'phase', 'tools', 'pending', n, 'ncalls', n)
+for i = 6, 5 + 2 * n, 2 do
+  put(arg(i), {kind = 'q', deadline = NOW + LEASE, attempts = 0, gen = 1, taken = 0,
+               owner = '', err = ''})
+  redis.call('HSET', CARGS, arg(i), arg(i + 1))
+end
+next_look()
 return 'dispatch'
 """
 
-# Ends a run that is not ended yet (limits, model errors, abort, pause timeout).
-# ARGV: now, maxlen, ttl, status, exit, content, result, error, error_type, iterations
-# ('' keeps the iteration count) -> 1 | 0 (already ended)
+# A turn attempt that raised. ARGV: iteration, owner, usage of its reply ('0 0': none), error
+# -> 'retry' (the next sweep sends it again) | 'gave_up' | 'stale' | 'ended' | 'missing'
+FAIL_TURN = """
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner',
+  'turn_attempts')
+if not st[1] then return 'missing' end
+local it, owner = tonumber(arg(1)), arg(2)
+local tokens, billed = bill(owner, arg(3))
+if ended(st[1]) then return 'ended' end
+if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' or st[4] ~= owner then return 'stale' end
+if billed and tokens_of(arg(3)) > 0 then
+  event('discarded', 'iteration', it, 'tokens', tokens_of(arg(3)), 'tokens_used', tokens)
+end
+redis.call('HSET', RUN, 'turn_error', arg(4))
+if (tonumber(st[5]) or 0) >= CAP then
+  give_up_turn(it, st[5], arg(4))
+  return 'gave_up'
+end
+redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', NOW, 'updated_at', NOW)
+next_look()
+return 'retry'
+"""
+
+# Ends a run that has not ended yet (limits, model errors, abort, unreadable state).
+# ARGV: status, exit, content, result, error, error_type, iteration to set ('' keeps
+# it), then for a turn's own ending its iteration and owner (fenced: only the turn's
+# current owner may end the run), '' for directives -> 1 | 0 (ended already, or fenced)
 FINISH = """
-local status = redis.call('HGET', RUN, 'status')
-if not status or ended(status) then return 0 end
-if ARGV[10] ~= '' then redis.call('HSET', RUN, 'iteration', ARGV[10]) end
-finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner')
+if not st[1] or ended(st[1]) then return 0 end
+if arg(9) ~= '' then
+  if tonumber(st[2]) + 1 ~= tonumber(arg(8)) or st[3] ~= 'turn' or st[4] ~= arg(9) then
+    return 0
+  end
+end
+if arg(7) ~= '' then redis.call('HSET', RUN, 'iteration', arg(7)) end
+finish(arg(1), arg(2), arg(3), arg(4), arg(5), arg(6))
 return 1
 """
 
-# ARGV: key, iteration, now, lease deadline, idempotent ('1'/'0')
-# -> 'ok' | 'lost' | 'busy' | 'done' | 'paused' | 'ended' | 'stale'
+# Claims a call for its message, and hands back what the call may do: the run's stored
+# spec and the call as the turn stored it (worker/calls.py). The message only names the
+# call; a message whose tool is not the stored call's is refused, touching nothing.
+# ARGV: key, iteration, generation, owner, tool (the message's), '1' if this worker has
+#   that tool, '1' if this worker gates it (@tool(approval=True)), idempotent ('1'/'0'; a
+#   declared HTTP tool is not), '1' once this delivery passed the approval gate
+# -> {'ok', spec, stored call} | {'lost', spec, stored call} (a non-idempotent call whose
+#    earlier holder was lost: record that, never re-run) | {'gate', spec, stored call}
+#    (ask the approval gate first, nothing changed) | {'elsewhere'} (an allowed tool this
+#    worker lacks) | {'mismatch'} | {'busy'|'done'|'paused'|'ended'|'stale'|'gave_up'}
 START_CALL = """
-local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase')
-if not st[1] or ended(st[1]) then return 'ended' end
-if tonumber(st[2]) ~= tonumber(ARGV[2]) or st[3] ~= 'tools' then return 'stale' end
-local state = redis.call('HGET', CSTATE, ARGV[1])
-if not state then return 'stale' end
-if state == 'd' then return 'done' end
-local kind = string.sub(state, 1, 1)
-if kind == 's' and deadline_of(state) > tonumber(ARGV[3]) then return 'busy' end
-if st[1] == 'paused' then return 'paused' end
-if kind ~= 'q' and ARGV[5] ~= '1' then return 'lost' end
-redis.call('HSET', CSTATE, ARGV[1], 's|' .. ARGV[4])
-return 'ok'
-"""
-
-# ARGV: key, iteration, now, maxlen, ttl, record, tool message, tool name, success,
-#   next turn deadline
-# -> 'next' | 'wait' | 'paused' | 'ended' | 'dup' | 'stale'
-RECORD_CALL = """
-local state = redis.call('HGET', CSTATE, ARGV[1])
-if not state or state == 'd' then return 'dup' end
-local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'ncalls')
-if tonumber(st[2]) ~= tonumber(ARGV[2]) or st[3] ~= 'tools' then return 'stale' end
-local now, maxlen = ARGV[3], ARGV[4]
-redis.call('HSET', CALLS, ARGV[1], ARGV[6])
-redis.call('HSET', CSTATE, ARGV[1], 'd')
-redis.call('HSET', TMSGS, ARGV[1], ARGV[7])
-local pending = redis.call('HINCRBY', RUN, 'pending', -1)
-event(maxlen, now, 'tool_call', 'iteration', ARGV[2], 'tool', ARGV[8], 'success', ARGV[9])
-if ended(st[1]) then expire_all(ARGV[5]) return 'ended' end
-if pending > 0 then return 'wait' end
-for i = 0, tonumber(st[4]) - 1 do
-  local k = ARGV[2] .. '.' .. i
-  redis.call('RPUSH', MSGS, redis.call('HGET', TMSGS, k))
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'spec')
+if not st[1] or ended(st[1]) then return {'ended'} end
+if tonumber(st[2]) ~= tonumber(arg(2)) or st[3] ~= 'tools' then return {'stale'} end
+local key = arg(1)
+local c = parse(redis.call('HGET', CSTATE, key))
+if not c then return {'stale'} end
+if c.kind == 'd' then return {'done'} end
+local raw = redis.call('HGET', CARGS, key) or ''
+local decoded, p = pcall(cjson.decode, raw)
+if not decoded or type(p) ~= 'table' then return {'mismatch'} end
+if (type(p.tool) == 'string' and p.tool or '') ~= arg(5) then return {'mismatch'} end
+local http = p.http == true or type(p.http_tool) == 'table'
+if p.allowed == true and not http and arg(6) ~= '1' then return {'elsewhere'} end
+-- the gate before the generation and pause checks: a decision is recorded on a paused
+-- run, and its own fencing (orchestrator/approvals.py) drops a stale message's
+if p.allowed == true and (p.approval == true or arg(7) == '1') and arg(9) ~= '1' then
+  return {'gate', st[4], raw}
 end
-redis.call('DEL', TMSGS, CARGS)
-redis.call('HSET', RUN, 'phase', 'turn', 'turn_claimed', 0, 'turn_deadline', ARGV[10],
-  'updated_at', now)
-if st[1] == 'paused' then return 'paused' end
-return 'next'
+if tonumber(arg(3)) < c.gen then return {'stale'} end  -- superseded message
+if c.kind == 's' and c.deadline > NOW then return {'busy'} end
+if st[1] == 'paused' then return {'paused'} end
+local lost = c.kind ~= 'q' and (http or arg(8) ~= '1')
+c.kind, c.deadline, c.owner, c.taken = 's', NOW + LEASE, arg(4), tonumber(arg(3))
+c.attempts = c.attempts + 1
+if c.attempts > CAP then
+  c.attempts = c.attempts - 1
+  give_up_call(key, c)
+  return {'gave_up'}
+end
+put(key, c)
+next_look()
+return {lost and 'lost' or 'ok', st[4], raw}
 """
 
-# Heartbeat of one in-flight step. ARGV: kind ('turn'|'call'), key, new deadline
-# -> 1 (extended) | 0 (no longer ours) | -1 (run ended)
+# ARGV: key, iteration, owner, generation, record, tool message, tool name, success
+# Fenced: the call's owner, or with owner '' (the sweeper failing a call nobody runs)
+# a call not started whose generation is still the one given.
+# -> {'next', turn generation} | {'wait'} | {'paused'} | {'ended'} | {'dup'} | {'stale'}
+RECORD_CALL = """
+local key, owner = arg(1), arg(3)
+local c = parse(redis.call('HGET', CSTATE, key))
+if not c then return {'stale'} end
+if c.kind == 'd' then return {'dup'} end
+local mine
+if owner ~= '' then mine = c.owner == owner and c.kind ~= 'q'
+else mine = c.kind ~= 's' and c.gen == tonumber(arg(4)) end
+if not mine then return {'stale'} end
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'ncalls')
+if not st[1] then return {'stale'} end
+redis.call('HSET', CALLS, key, arg(5))
+redis.call('HSET', CSTATE, key, 'd')
+redis.call('HSET', TMSGS, key, arg(6))
+local pending = redis.call('HINCRBY', RUN, 'pending', -1)
+event('tool_call', 'iteration', arg(2), 'tool', arg(7), 'success', arg(8))
+if ended(st[1]) then expire_all() return {'ended'} end
+if pending > 0 then next_look() return {'wait'} end
+for i = 0, tonumber(st[4]) - 1 do
+  redis.call('RPUSH', MSGS, redis.call('HGET', TMSGS, arg(2) .. '.' .. i))
+end
+redis.call('DEL', TMSGS, CARGS, CSTATE)
+local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+redis.call('HSET', RUN, 'phase', 'turn', 'turn_claimed', 0, 'turn_attempts', 0,
+  'turn_owner', '', 'turn_error', '', 'turn_deadline', NOW + LEASE, 'updated_at', NOW)
+next_look()
+if st[1] == 'paused' then return {'paused'} end
+return {'next', gen}
+"""
+
+# A call attempt that raised in the worker's own code. ARGV: key, owner, error
+# -> 'retry' (the next sweep sends it again) | 'gave_up' | 'stale'
+FAIL_CALL = """
+local st = redis.call('HGET', RUN, 'status')
+if not st or ended(st) then return 'stale' end
+local key = arg(1)
+local c = parse(redis.call('HGET', CSTATE, key))
+if not c or c.kind == 'd' or c.owner ~= arg(2) then return 'stale' end
+c.err = arg(3)
+if c.attempts >= CAP then give_up_call(key, c) return 'gave_up' end
+c.kind, c.deadline = 'x', NOW
+put(key, c)
+next_look()
+return 'retry'
+"""
+
+# Heartbeat of one held step. ARGV: kind ('turn'|'call'), key, owner, iteration
+# -> 1 (extended, or re-taken after a lapse nobody acted on) | 0 (not ours) | -1 (ended)
 BEAT = """
-if ARGV[1] == 'turn' then
-  if redis.call('HGET', RUN, 'turn_claimed') ~= '1' then return 0 end
-  redis.call('HSET', RUN, 'turn_deadline', ARGV[3])
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner')
+if not st[1] or ended(st[1]) then return -1 end
+if arg(1) == 'turn' then
+  if st[4] ~= arg(3) or tonumber(st[2]) + 1 ~= tonumber(arg(4)) or st[3] ~= 'turn' then
+    return 0
+  end
+  redis.call('HSET', RUN, 'turn_claimed', 1, 'turn_deadline', NOW + LEASE)
+  next_look()
   return 1
 end
-if ended(redis.call('HGET', RUN, 'status')) then return -1 end
-local state = redis.call('HGET', CSTATE, ARGV[2])
-if not state or string.sub(state, 1, 1) ~= 's' then return 0 end
-redis.call('HSET', CSTATE, ARGV[2], 's|' .. ARGV[3])
+local c = parse(redis.call('HGET', CSTATE, arg(2)))
+if not c or c.kind == 'd' or c.owner ~= arg(3) then return 0 end
+c.kind, c.deadline = 's', NOW + LEASE
+put(arg(2), c)
+next_look()
 return 1
 """
 
-# ARGV: now, maxlen, pause deadline, by -> 'ok' | 'already' | 'ended' | 'missing'
+# A step its holder will not finish (warm shutdown): its lease lapses now, and the
+# attempt is not counted. ARGV: kind, key, owner, iteration -> 1 | 0 (not ours)
+HAND_BACK = """
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner',
+  'turn_attempts')
+if not st[1] or ended(st[1]) then return 0 end
+if arg(1) == 'turn' then
+  if st[4] ~= arg(3) or tonumber(st[2]) + 1 ~= tonumber(arg(4)) or st[3] ~= 'turn' then
+    return 0
+  end
+  redis.call('HSET', RUN, 'turn_deadline', NOW, 'turn_attempts',
+    math.max(0, (tonumber(st[5]) or 1) - 1))
+  next_look()
+  return 1
+end
+local c = parse(redis.call('HGET', CSTATE, arg(2)))
+if not c or c.kind ~= 's' or c.owner ~= arg(3) then return 0 end
+c.deadline, c.attempts = NOW, math.max(0, c.attempts - 1)
+put(arg(2), c)
+next_look()
+return 1
+"""
+
+# ARGV: pause_max_s (ms), by -> 'ok' | 'already' | 'ended' | 'missing'
 PAUSE = """
 local status = redis.call('HGET', RUN, 'status')
 if not status then return 'missing' end
 if ended(status) then return 'ended' end
 if status == 'paused' then return 'already' end
-redis.call('HSET', RUN, 'status', 'paused', 'paused_at', ARGV[1],
-  'pause_deadline', ARGV[3], 'updated_at', ARGV[1])
-event(ARGV[2], ARGV[1], 'control', 'action', 'pause', 'by', ARGV[4])
+redis.call('HSET', RUN, 'status', 'paused', 'paused_at', NOW,
+  'pause_deadline', NOW + tonumber(arg(1)), 'updated_at', NOW)
+event('control', 'action', 'pause', 'by', arg(2))
+next_look()
 return 'ok'
 """
 
-# ARGV: now, maxlen, new deadline, by
-# -> {'turn', iteration} | {'calls', payload...} | {'none'} | {'not_paused'|'ended'|'missing'}
+# ARGV: by
+# -> {'turn', iteration, generation} | {'calls', generation, payload, ...} | {'none'}
+#  | {'not_paused'|'ended'|'missing'}
 RESUME = """
 local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_claimed',
   'turn_deadline')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
 if st[1] ~= 'paused' then return {'not_paused'} end
-local now = tonumber(ARGV[1])
 redis.call('HSET', RUN, 'status', 'running', 'paused_at', '', 'pause_deadline', '',
-  'updated_at', ARGV[1])
-event(ARGV[2], ARGV[1], 'control', 'action', 'resume', 'by', ARGV[4])
+  'updated_at', NOW)
+event('control', 'action', 'resume', 'by', arg(1))
 if st[2] == 'turn' then
-  if st[4] == '1' and tonumber(st[5]) > now then return {'none'} end
-  redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', ARGV[3])
-  return {'turn', tonumber(st[3]) + 1}
+  if st[4] == '1' and tonumber(st[5]) > NOW then next_look() return {'none'} end
+  local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+  redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', NOW + LEASE)
+  next_look()
+  return {'turn', tonumber(st[3]) + 1, gen}
 end
 local out = {'calls'}
 local states = redis.call('HGETALL', CSTATE)
 for i = 1, #states, 2 do
-  local kind = string.sub(states[i + 1], 1, 1)
-  if kind == 'q' or kind == 'x' then
-    redis.call('HSET', CSTATE, states[i], kind .. '|' .. ARGV[3])
+  local c = parse(states[i + 1])
+  if c.kind == 'q' or c.kind == 'x' then
+    c.gen, c.deadline = c.gen + 1, NOW + LEASE
+    put(states[i], c)
+    out[#out + 1] = c.gen
     out[#out + 1] = redis.call('HGET', CARGS, states[i])
   end
 end
+next_look()
 return out
 """
 
-# ARGV: now, maxlen, ttl, by, reason -> 'ok' | 'ended' | 'missing'
+# ARGV: by, reason -> 'ok' | 'ended' | 'missing'
 ABORT = """
 local status = redis.call('HGET', RUN, 'status')
 if not status then return 'missing' end
 if ended(status) then return 'ended' end
-event(ARGV[2], ARGV[1], 'control', 'action', 'abort', 'by', ARGV[4])
-finish(ARGV[1], ARGV[2], ARGV[3], 'aborted', 'aborted', '', '',
-  'aborted by ' .. ARGV[4] .. ': ' .. ARGV[5], 'Aborted')
+event('control', 'action', 'abort', 'by', arg(1))
+finish('aborted', 'aborted', '', '', 'aborted by ' .. arg(1) .. ': ' .. arg(2), 'Aborted')
 return 'ok'
 """
 
-# ARGV: now, maxlen, message JSON, by -> 'ok' | 'ended' | 'missing'
+# ARGV: message JSON, by, cap -> 'ok' | 'full' | 'ended' | 'missing'
 STEER = """
 local status = redis.call('HGET', RUN, 'status')
 if not status then return 'missing' end
 if ended(status) then return 'ended' end
-redis.call('RPUSH', STEER, ARGV[3])
-event(ARGV[2], ARGV[1], 'control', 'action', 'steer', 'by', ARGV[4])
+if redis.call('LLEN', STEER) >= tonumber(arg(3)) then return 'full' end
+redis.call('RPUSH', STEER, arg(1))
+event('control', 'action', 'steer', 'by', arg(2))
 return 'ok'
 """
 
-# The sweeper's look at one run. ARGV: now, new deadline, maxlen. A re-dispatch emits
-# a `recovery` event (metadata: which step, since when its lease had expired).
-# -> {'ended'|'gone'} | {'pause_expired'} | {'wait', next_check}
-#  | {'turn', next_check, iteration} | {'calls', next_check, payload...}
+# The sweeper's look at one run due in the lease index. A pause past its deadline ends
+# the run here (only if still paused). For each step past its deadline:
+#   its holder was lost, or its message was taken and dropped -> re-sent ('send', with
+#     a `recovery` event), or given up at the attempts cap;
+#   its message was never taken -> 'check': the caller looks for it in the queue and
+#     calls RESEND only if it is gone (a late message is left alone).
+# -> {'gone'|'ended'|'pause_expired'|'gave_up'}
+#  | {'steps', ('turn', gen, iteration, 'send'|'check') | (key, gen, 'send'|'check', payload)...}
 RECOVER = """
 local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_deadline',
-  'pause_deadline')
-if not st[1] then return {'gone'} end
-if ended(st[1]) then return {'ended'} end
-local now, fresh = tonumber(ARGV[1]), tonumber(ARGV[2])
-local paused, next_check = st[1] == 'paused', fresh
-if paused then
-  local pause_deadline = tonumber(st[5])
-  if pause_deadline and pause_deadline <= now then return {'pause_expired'} end
-  if pause_deadline then next_check = math.min(next_check, pause_deadline) end
+  'pause_deadline', 'turn_claimed', 'turn_gen', 'turn_taken', 'turn_attempts', 'turn_error')
+if not st[1] then redis.call('ZREM', LEASES, RUN_ID) return {'gone'} end
+if ended(st[1]) then redis.call('ZREM', LEASES, RUN_ID) return {'ended'} end
+local paused = st[1] == 'paused'
+if paused and tonumber(st[5]) and tonumber(st[5]) <= NOW then
+  event('control', 'action', 'abort', 'by', 'tooloop')
+  finish('aborted', 'aborted', '', '', 'aborted by tooloop: paused longer than pause_max_s',
+    'Aborted')
+  return {'pause_expired'}
 end
-if st[2] == 'turn' then
-  local deadline = tonumber(st[4])
-  if paused then return {'wait', next_check} end
-  if deadline > now then return {'wait', math.min(deadline, next_check)} end
-  redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', fresh)
-  event(ARGV[3], ARGV[1], 'recovery', 'step', 'turn', 'iteration', tonumber(st[3]) + 1,
-    'lost_since', deadline)
-  return {'turn', next_check, tonumber(st[3]) + 1}
-end
-local out = {'calls', next_check}
-local states = redis.call('HGETALL', CSTATE)
-for i = 1, #states, 2 do
-  local state = states[i + 1]
-  local kind = string.sub(state, 1, 1)
-  -- while paused, only calls that had started are watched
-  if state ~= 'd' and not (paused and kind ~= 's') then
-    local deadline = deadline_of(state)
-    if deadline > now then
-      next_check = math.min(next_check, deadline)
-    else
-      redis.call('HSET', CSTATE, states[i], (kind == 'q' and 'q|' or 'x|') .. fresh)
-      out[#out + 1] = redis.call('HGET', CARGS, states[i])
+local out = {'steps'}
+if st[2] == 'turn' and not paused and tonumber(st[4]) <= NOW then
+  local it = tonumber(st[3]) + 1
+  local gen, taken = tonumber(st[7]) or 0, tonumber(st[8]) or 0
+  if st[6] == '1' or taken >= gen then  -- its holder was lost, or it failed
+    if st[6] == '1' and (tonumber(st[9]) or 0) >= CAP then
+      give_up_turn(it, st[9], st[10])
+      return {'gave_up'}
+    end
+    gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+    redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', NOW + LEASE)
+    event('recovery', 'step', 'turn', 'iteration', it, 'lost_since', st[4])
+    for _, v in ipairs({'turn', gen, it, 'send'}) do out[#out + 1] = v end
+  else
+    redis.call('HSET', RUN, 'turn_deadline', NOW + LEASE)
+    for _, v in ipairs({'turn', gen, it, 'check'}) do out[#out + 1] = v end
+  end
+elseif st[2] == 'tools' then
+  local sent = 0
+  local states = redis.call('HGETALL', CSTATE)
+  for i = 1, #states, 2 do
+    local key, c = states[i], parse(states[i + 1])
+    if c.kind ~= 'd' and not (paused and c.kind ~= 's') and c.deadline <= NOW then
+      local what = 'check'
+      if c.kind == 's' or c.taken >= c.gen then  -- holder lost, or taken and dropped
+        if c.kind ~= 'q' and c.attempts >= CAP then
+          give_up_call(key, c)
+          return {'gave_up'}
+        end
+        if c.kind == 's' then c.kind = 'x' end
+        c.gen, what, sent = c.gen + 1, 'send', sent + 1
+      end
+      c.deadline = NOW + LEASE
+      put(key, c)
+      for _, v in ipairs({key, c.gen, what, redis.call('HGET', CARGS, key) or ''}) do
+        out[#out + 1] = v
+      end
     end
   end
+  if sent > 0 then
+    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent)
+  end
 end
-if #out == 2 then return {'wait', next_check} end
-event(ARGV[3], ARGV[1], 'recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', #out - 2)
-out[2] = next_check
+next_look()
 return out
 """
 
-# ARGV: key, value, now, maxlen, event fields... -> 1 (set) | 0 (already set)
+# A step whose message was never taken and is not in its queue: send it again.
+# ARGV: step ('turn' or a call key), generation that went missing
+# -> {'turn', iteration, gen} | {'call', gen, payload} | {'none'} (it moved on meanwhile)
+RESEND = """
+local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_claimed',
+  'turn_gen', 'turn_taken')
+if not st[1] or ended(st[1]) or st[1] == 'paused' then return {'none'} end
+local gen = tonumber(arg(2))
+if arg(1) == 'turn' then
+  if st[2] ~= 'turn' or st[4] == '1' or tonumber(st[5]) ~= gen or tonumber(st[6]) >= gen then
+    return {'none'}
+  end
+  gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+  redis.call('HSET', RUN, 'turn_deadline', NOW + LEASE)
+  event('recovery', 'step', 'turn', 'iteration', tonumber(st[3]) + 1, 'lost_since', NOW)
+  next_look()
+  return {'turn', tonumber(st[3]) + 1, gen}
+end
+local c = parse(redis.call('HGET', CSTATE, arg(1)))
+if not c or c.kind == 'd' or c.kind == 's' or c.gen ~= gen or c.taken >= gen then
+  return {'none'}
+end
+c.gen, c.deadline = c.gen + 1, NOW + LEASE
+put(arg(1), c)
+event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1)
+next_look()
+return {'call', c.gen, redis.call('HGET', CARGS, arg(1))}
+"""
+
+# A turn waiting for rate-limit capacity hands its claim back until it is due again: a
+# countdown message of the new generation brings it back (past the deadline the sweeper
+# looks for it). The attempt is not counted, and nothing is billed (no reply).
+# ARGV: iteration, owner, wait ms -> {'ok', generation} | {'ended'} | {'stale'}
+DEFER_TURN = """
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner',
+  'turn_attempts')
+if not st[1] or ended(st[1]) then return {'ended'} end
+if tonumber(st[2]) + 1 ~= tonumber(arg(1)) or st[3] ~= 'turn' or st[4] ~= arg(2) then
+  return {'stale'}
+end
+redis.call('HDEL', CLAIMS, arg(2))
+local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_owner', '', 'updated_at', NOW,
+  'turn_deadline', NOW + tonumber(arg(3)) + LEASE,
+  'turn_attempts', math.max(0, (tonumber(st[5]) or 1) - 1))
+event('rate_limited', 'iteration', arg(1), 'wait_ms', arg(3))
+next_look()
+return {'ok', gen}
+"""
+
+# Context compaction (worker/compaction.py): the messages between the head and the recent
+# ones are replaced by the summary, with the summary call's usage, in one step.
+# The summary call's usage counts even when the history is no longer ours (its tokens were spent).
+# ARGV: iteration, owner ('' : any live claim), expected length, head, start, usage, reason,
+#   fallback (0/1), messages to put between head and messages[start:]...
+# -> 'ok' | 'ended' | 'stale'
+COMPACT = """
+local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_claimed', 'turn_owner')
+if not st[1] then return 'ended' end
+local tokens = add_usage(arg(6), 'compaction')
+if ended(st[1]) then return 'ended' end
+if tonumber(st[2]) + 1 ~= tonumber(arg(1)) or st[3] ~= 'turn' or st[4] ~= '1' then return 'stale' end
+if arg(2) ~= '' and st[5] ~= arg(2) then return 'stale' end
+local all = redis.call('LRANGE', MSGS, 0, -1)
+if #all ~= tonumber(arg(3)) then return 'stale' end
+redis.call('DEL', MSGS)
+local n = 0
+for i = 1, tonumber(arg(4)) do redis.call('RPUSH', MSGS, all[i]) n = n + 1 end
+for i = 9, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) n = n + 1 end
+for i = tonumber(arg(5)) + 1, #all do redis.call('RPUSH', MSGS, all[i]) n = n + 1 end
+event('compaction', 'iteration', arg(1), 'before', #all, 'after', n,
+  'reason', arg(7), 'fallback', arg(8), 'tokens_used', tokens)
+return 'ok'
+"""
+
+# A piece of the model's streamed reply. ARGV: iteration, text -> 1 | 0 (ended)
+TEXT = """
+local status = redis.call('HGET', RUN, 'status')
+if not status or ended(status) then return 0 end
+event('text', 'iteration', arg(1), 'text', arg(2))
+return 1
+"""
+
+ADD_USAGE = """
+if redis.call('EXISTS', RUN) == 0 then return false end
+return add_usage(arg(2), arg(1))
+"""
+
+# ARGV: key, value, event fields... -> 1 (set) | 0 (already set)
 # Supervisor bookkeeping: a rule fires at most once per run, never after it ended.
 MARK_ONCE = """
 if ended(redis.call('HGET', RUN, 'status')) then return 0 end
-if redis.call('HSETNX', SUP, ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('HSETNX', SUP, arg(1), arg(2)) == 0 then return 0 end
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-event(ARGV[4], ARGV[3], 'supervisor', unpack(fields))
+for i = 3, #ARGV - 5 do fields[#fields + 1] = arg(i) end
+event('supervisor', unpack(fields))
 return 1
 """
+
+# One shard's sweep: take its lock, then what is due. KEYS: lock, leases, expiry.
+# ARGV: lock ms, holder, batch -> false (another sweeper has it) | {now, due runs, expired}
+DUE = """
+if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[1]) then return false end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+return {now, redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[3]),
+        redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, ARGV[3])}
+"""
+
+# Which of these task ids are in a kombu queue (a Redis list)? KEYS: the list.
+# ARGV: task ids -> those found. One pass over the list, in chunks.
+QUEUED = """
+local want = {}
+for i = 1, #ARGV do want[ARGV[i]] = true end
+local found, n = {}, redis.call('LLEN', KEYS[1])
+for start = 0, n - 1, 1000 do
+  for _, m in ipairs(redis.call('LRANGE', KEYS[1], start, start + 999)) do
+    local id = string.match(m, '"id": ?"([^"]+)"')
+    if id and want[id] then found[#found + 1] = id want[id] = nil end
+  end
+end
+return found
+"""
+
+# The scripts that run on one run's keys (PRELUDE + script); DUE and QUEUED stand alone.
+RUN_SCRIPTS = (
+    "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FAIL_TURN", "FINISH", "START_CALL",
+    "RECORD_CALL", "FAIL_CALL", "BEAT", "HAND_BACK", "PAUSE", "RESUME", "ABORT", "STEER",
+    "RECOVER", "RESEND", "MARK_ONCE", "DEFER_TURN", "ADD_USAGE", "COMPACT", "TEXT",
+)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,13 +24,25 @@ class Settings(BaseSettings):
     key_prefix: str = "tooloop"
     tools: str = ""  # comma-separated modules that register tools
     sandbox_root: str = Field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "tooloop"))
+    sandbox_allow: str = ""  # comma-separated folders a spec's context.sandbox_root may lie inside
+    shell_executors: str = ""  # programs a run's allowed_commands may name though they run code (python,make)
     api_tokens: str = ""  # "token=tenant,token2=tenant2"
-    secret_key: str = ""  # encrypts literal api keys at rest; see orchestrator.secrets
+    secret_key: str = ""  # seals credentials at rest, per tenant; see orchestrator.secrets
+    # What a spec may ask of the worker's own credentials (see orchestrator.credentials):
+    allowed_key_envs: str = "*_API_KEY"  # names or globs api_key_env may name; TOOLOOP_* never
+    allowed_api_bases: str = ""  # URL prefixes a worker-held key may be sent to, besides the provider's
+    tenant: str = ""  # a producer with a tenant submits only for that tenant
     recovery_s: float = 60.0  # bound on resuming a run whose worker died
+    step_attempts: int = Field(default=3, ge=1)  # claims of one step before the run ends on error
     retention_s: int = 7 * 24 * 3600  # finished runs expire after this
     events_maxlen: int = EVENTS_MAXLEN  # progress events kept per run
     sandbox: str = "auto"  # auto | bwrap | basic: strongest layer to use
     agents_dir: str = "agents"  # steering files and skills; relative = from the submitter's cwd
+    mcp_servers: str = ""  # path of an `mcpServers` JSON/YAML file: tools of MCP servers
+    log_format: Literal["text", "json"] = "text"  # json: one object per line, tagged with the run
+    trace_content: bool = False  # spans carry prompts and replies (scrubbed); off: no text of a run
+    task_events: bool = False  # Celery task events always on (Flower turns them on by itself)
+    rate_limits: str = ""  # JSON: per-model and per-tenant requests/tokens per minute (worker/ratelimit.py)
 
     @property
     def broker(self) -> str:
@@ -52,9 +65,25 @@ class Settings(BaseSettings):
     def heartbeat_s(self) -> float:
         return max(0.2, self.lease_s / 4)
 
+    @property
+    def unroutable_s(self) -> float:
+        """A call of a tool no live worker has published for this long is recorded failed."""
+        return 5 * self.recovery_s
+
     def tenant_tokens(self) -> dict[str, str]:
-        pairs = (p.split("=", 1) for p in self.api_tokens.split(",") if "=" in p)
-        return {token.strip(): tenant.strip() for token, tenant in pairs}
+        """``TOOLOOP_API_TOKENS`` as token -> tenant. A token listed twice would silently
+        map to the last tenant: ValueError (never naming a token), as for an empty one."""
+        tokens: dict[str, str] = {}
+        pairs = [p.split("=", 1) for p in self.api_tokens.split(",") if "=" in p]
+        for number, (token, tenant) in enumerate(pairs, 1):
+            token, tenant = token.strip(), tenant.strip()
+            if not token or not tenant:
+                raise ValueError(f"TOOLOOP_API_TOKENS: entry {number} has an empty token or tenant")
+            if token in tokens:
+                raise ValueError(f"TOOLOOP_API_TOKENS: entry {number} repeats an earlier entry's token "
+                                 "(each token names one tenant)")  # fmt: skip
+            tokens[token] = tenant
+        return tokens
 
 
 @lru_cache(maxsize=1)

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from orchestrator import scripts
-from orchestrator.keys import WORKER_TTL_S, Keys, call_key, parse_call_key
+from orchestrator.bounds import STEER_MAX_CHARS
+from orchestrator.connections import connect
+from orchestrator.keys import SHARDS, STEER_MAX, WORKER_TTL_S, Keys, call_key, parse_call_key, shard_of
 from orchestrator.models import (
     LIMIT_EXITS,
     RunResult,
@@ -27,10 +31,16 @@ from orchestrator.models import (
     status_for_exit,
 )
 from orchestrator.settings import Settings, get_settings
+from orchestrator.validation import run_id_error
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def new_owner() -> str:
+    """A claim's owner token: what fences a holder that was taken over."""
+    return uuid.uuid4().hex[:16]
 
 
 def _s(value: bytes | str | None) -> str:
@@ -50,6 +60,20 @@ class TurnClaim:
     spec: RunSpec
     tokens_used: int
     messages: list[dict[str, Any]]
+    attempts: int = 1
+    corrections: int = 0  # corrective messages sent so far (text tool calls that did not parse)
+    cost_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class Held:
+    """A step this process holds: heartbeated, handed back and recorded as its owner."""
+
+    run_id: str
+    kind: str  # "turn" | "call"
+    key: str  # the call's key; "" for a turn
+    owner: str
+    iteration: int
 
 
 @dataclass
@@ -68,13 +92,37 @@ class Finish:
 
 
 @dataclass
-class Recovery:
-    """What the sweeper must re-enqueue for one run."""
+class Dispatch:
+    """One message of a step: a turn (iteration) or a tool call (payload), at a generation."""
 
     run_id: str
-    turn: int | None = None  # re-enqueue this turn
-    calls: list[dict[str, Any]] | None = None  # re-enqueue these tool payloads
-    pause_expired: bool = False
+    gen: int
+    iteration: int = 0
+    payload: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> str:
+        return "turn" if self.payload is None else self.payload["key"]
+
+
+@dataclass
+class CallStart:
+    """START_CALL's answer: a verdict, and for 'ok', 'lost' and 'gate' the run's spec and
+    the call as the turn stored it (what the tool task derives everything from)."""
+
+    verdict: str
+    spec: RunSpec | None = None
+    call: dict[str, Any] | None = None
+
+
+@dataclass
+class Recovery:
+    """The sweeper's look at one run: what to send again, what to look for in the queue."""
+
+    run_id: str
+    outcome: str = "steps"  # steps | gone | ended | pause_expired | gave_up
+    sends: list[Dispatch] = field(default_factory=list)  # lost: send again now
+    checks: list[Dispatch] = field(default_factory=list)  # never taken: late, or lost?
 
 
 class RunStore:
@@ -84,201 +132,297 @@ class RunStore:
         self.keys = Keys(self.settings.key_prefix)
         self._scripts = {
             name: client.register_script(scripts.PRELUDE + getattr(scripts, name))
-            for name in (
-                "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FINISH", "START_CALL",
-                "RECORD_CALL", "BEAT", "PAUSE", "RESUME", "ABORT", "STEER",
-                "RECOVER", "MARK_ONCE",
-            )
-        }  # fmt: skip
+            for name in scripts.RUN_SCRIPTS
+        }
+        self._due = client.register_script(scripts.DUE)
+        self._queued = client.register_script(scripts.QUEUED)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> RunStore:
         settings = settings or get_settings()
         # Blocking reads (XREAD BLOCK) wait up to 10 s: the socket must outlast them.
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=30, health_check_interval=30)
+        client = connect(settings.redis_url, socket_timeout=30, health_check_interval=30)
         return cls(client, settings)
 
     # -- plumbing -----------------------------------------------------------
-    def _run(self, script: str, run_id: str, *args: Any, pipe: Any = None) -> Any:
-        keys = self.keys.all_for_run(run_id)
-        return self._scripts[script](keys=keys, args=list(args), client=pipe or self.redis)
+    def _run(self, script: str, run_id: str, *args: Any, pipe: Any = None, keys: tuple = ()) -> Any:
+        s = self.settings
+        argv = [run_id, int(s.lease_s * 1000), s.events_maxlen, s.retention_s, s.step_attempts, *args]
+        return self._scripts[script](keys=self.keys.script_keys(run_id) + list(keys), args=argv,
+                                     client=pipe or self.redis)  # fmt: skip
 
-    @property
-    def _maxlen(self) -> int:
-        return self.settings.events_maxlen
-
-    def _deadline(self, now: int) -> int:
-        return now + int(self.settings.lease_s * 1000)
+    def time_ms(self) -> int:
+        """Redis's clock: the one every lease is measured against."""
+        seconds, micros = self.redis.time()
+        return seconds * 1000 + micros // 1000
 
     # -- create -------------------------------------------------------------
-    def create(self, run_id: str, spec: RunSpec, messages: list[dict[str, Any]]) -> None:
-        now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
-        self._run(
-            "CREATE", run_id, now, self._maxlen, spec.model_dump_json(), spec.tenant,
-            self._deadline(now), *(json.dumps(m) for m in messages), pipe=pipe,
-        )  # fmt: skip
-        pipe.zadd(self.keys.runs(), {run_id: now})
-        pipe.zadd(self.keys.tenant_runs(spec.tenant), {run_id: now})
-        pipe.zadd(self.keys.leases(), {run_id: self._deadline(now)})
-        created, *_ = pipe.execute()
+    def create(self, run_id: str, spec: RunSpec, messages: list[dict[str, Any]]) -> int:
+        """Write the run and its index entries in one script; its first turn's generation."""
+        if bad := run_id_error(run_id):  # the producer checked; so does the store
+            raise ValueError(bad)
+        tenant_index = self.keys.tenant_runs(spec.tenant, shard_of(run_id))
+        created = self._run("CREATE", run_id, spec.model_dump_json(), spec.tenant,
+                            *(json.dumps(m) for m in messages), keys=(tenant_index,))  # fmt: skip
         if not created:
             raise ValueError(f"run {run_id} already exists")
+        return int(created)
 
     # -- turn ---------------------------------------------------------------
-    def claim_turn(self, run_id: str, iteration: int) -> TurnClaim | str:
-        """Claim turn ``iteration``; a string says why not (ended, paused, stale, busy)."""
-        now = now_ms()
-        out = self._run("CLAIM_TURN", run_id, iteration, now, self._deadline(now), self._maxlen)
+    def claim_turn(self, run_id: str, iteration: int, gen: int, owner: str) -> TurnClaim | str:
+        """Claim turn ``iteration`` for ``owner``; a string says why not (ended, paused,
+        stale, busy, gave_up: its attempts are spent and the run ended on error)."""
+        out = self._run("CLAIM_TURN", run_id, iteration, gen, owner)
         if _s(out[0]) != "ok":
             return _s(out[0])
-        messages = [json.loads(m) for m in out[3:]]
-        return TurnClaim(parse_spec(_s(out[1])), int(out[2]), messages)
+        messages = [json.loads(m) for m in out[6:]]
+        return TurnClaim(parse_spec(_s(out[1])), int(out[2]), messages, int(out[3]), int(out[4]),
+                         float(out[5]))  # fmt: skip
 
-    def record_finish(
-        self, run_id: str, iteration: int, message: dict[str, Any], tokens: int, end: Finish
-    ) -> str:
-        now = now_ms()
+    def record_finish(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
+                      tokens: int, end: Finish, cost_usd: float = 0.0) -> str:  # fmt: skip
         return _s(
             self._run(
-                "RECORD_REPLY", run_id, iteration, now, self._maxlen, self.settings.retention_s,
-                json.dumps(message), tokens, "finish", end.status.value, end.exit, end.content,
-                json.dumps(end.result), end.error, end.error_type,
+                "RECORD_REPLY", run_id, iteration, owner, json.dumps(message), usage(tokens, cost_usd),
+                "finish",
+                end.status.value, end.exit, end.content, json.dumps(end.result), end.error,
+                end.error_type,
             )
         )  # fmt: skip
 
-    def record_tool_calls(
-        self,
-        run_id: str,
-        iteration: int,
-        message: dict[str, Any],
-        tokens: int,
-        payloads: list[dict[str, Any]],
-    ) -> str:
-        now = now_ms()
+    def record_tool_calls(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
+                          tokens: int, payloads: list[dict[str, Any]],
+                          cost_usd: float = 0.0) -> str:  # fmt: skip
         pairs: list[str] = []
         for index, payload in enumerate(payloads):
             pairs += [call_key(iteration, index), json.dumps(payload)]
-        return _s(
-            self._run(
-                "RECORD_REPLY", run_id, iteration, now, self._maxlen, self.settings.retention_s,
-                json.dumps(message), tokens, "tools", self._deadline(now), *pairs,
-            )
-        )  # fmt: skip
+        return _s(self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
+                            usage(tokens, cost_usd), "tools", *pairs))  # fmt: skip
 
-    def finish(self, run_id: str, end: Finish, iterations: int | None = None) -> bool:
-        """End a run that has not ended yet; False if it already had."""
+    def record_correction(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
+                          tokens: int, correction: str,
+                          cost_usd: float = 0.0) -> tuple[str, int]:  # fmt: skip
+        """Record a reply with a corrective user message after it; ('continue', gen): send
+        the next turn at that generation."""
+        note = json.dumps({"role": "user", "content": correction})
+        verdict = _s(self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
+                               usage(tokens, cost_usd), "continue", note))  # fmt: skip
+        kind, _, gen = verdict.partition(":")
+        return kind, int(gen or 0)
+
+    def compact(
+        self, run_id: str, iteration: int, expected: int, head: int, start: int, between: list[str],
+        tokens: int, cost_usd: float, reason: str, fallback: bool, owner: str = "",
+    ) -> str:  # fmt: skip
+        """Replace messages[head:start] by ``between`` (JSON), if the history is still
+        ``expected`` long and the turn still ``owner``'s; counts the summary's usage apart."""
+        return _s(self._run(
+            "COMPACT", run_id, iteration, owner, expected, head, start, usage(tokens, cost_usd), reason,
+            int(fallback), *between,
+        ))  # fmt: skip
+
+    def fail_turn(self, run_id: str, iteration: int, owner: str, tokens: int, error: str,
+                  cost_usd: float = 0.0) -> str:  # fmt: skip
+        """A turn attempt raised: bill its reply (if any), then retry it or give up."""
+        return _s(self._run("FAIL_TURN", run_id, iteration, owner, usage(tokens, cost_usd), error[:500]))
+
+    def defer_turn(self, run_id: str, iteration: int, owner: str, wait_s: float) -> tuple[str, int]:
+        """Hand a claimed turn back for ``wait_s`` (rate limits); ('ok', generation):
+        re-enqueue it at that generation, with that countdown."""
+        out = self._run("DEFER_TURN", run_id, iteration, owner, int(wait_s * 1000))
+        return _s(out[0]), int(out[1]) if len(out) > 1 else 0
+
+    def text_event(self, run_id: str, iteration: int, text: str) -> bool:
+        """A piece of the model's streamed reply (scrubbed) for watchers, kept only in the
+        capped event stream; False (not kept) once the run has ended."""
+        return bool(self._run("TEXT", run_id, iteration, text))
+
+    def add_usage(self, run_id: str, kind: str, tokens: int, cost_usd: float = 0.0) -> None:
+        """Count a model call made for the run outside its turns' replies (the judge)."""
+        self._run("ADD_USAGE", run_id, kind, usage(tokens, cost_usd))
+
+    def finish(self, run_id: str, end: Finish, iterations: int | None = None,
+               fence: tuple[int, str] | None = None) -> bool:  # fmt: skip
+        """End a run that has not ended yet; False if it already had (or, with ``fence``
+        = (iteration, owner), if that turn is no longer the run's current one)."""
+        iteration, owner = fence or ("", "")
         done = self._run(
-            "FINISH", run_id, now_ms(), self._maxlen, self.settings.retention_s,
-            end.status.value, end.exit, end.content, json.dumps(end.result), end.error,
-            end.error_type, "" if iterations is None else iterations,
+            "FINISH", run_id, end.status.value, end.exit, end.content, json.dumps(end.result),
+            end.error, end.error_type, "" if iterations is None else iterations, iteration, owner,
         )  # fmt: skip
         return bool(done)
 
     # -- tool calls ---------------------------------------------------------
-    def start_call(self, run_id: str, iteration: int, index: int, idempotent: bool) -> str:
-        now = now_ms()
-        key = call_key(iteration, index)
-        return _s(
-            self._run("START_CALL", run_id, key, iteration, now, self._deadline(now), int(idempotent))
-        )
+    def start_call(self, run_id: str, iteration: int, index: int, gen: int, owner: str, tool: str,
+                   have: bool, gated: bool, idempotent: bool,
+                   approved: bool = False) -> CallStart:  # fmt: skip
+        """Claim a call for the message naming it (``tool``: the message's); with 'ok',
+        'lost' and 'gate' come the run's spec and the call as the turn stored it."""
+        out = self._run("START_CALL", run_id, call_key(iteration, index), iteration, gen, owner, tool,
+                        int(have), int(gated), int(idempotent), int(approved))  # fmt: skip
+        verdict = _s(out[0])
+        if len(out) < 3:
+            return CallStart(verdict)
+        return CallStart(verdict, parse_spec(_s(out[1])), json.loads(out[2]))
 
-    def record_call(
-        self, run_id: str, iteration: int, index: int, record: ToolCallRecord, tool_message: str
-    ) -> str:
-        """Record one call; 'next' means the turn's barrier passed: enqueue the next turn."""
-        now = now_ms()
-        return _s(
-            self._run(
-                "RECORD_CALL", run_id, call_key(iteration, index), iteration, now, self._maxlen,
-                self.settings.retention_s, record.model_dump_json(), tool_message,
-                record.tool_name, int(record.success), self._deadline(now),
-            )
+    def record_call(self, run_id: str, iteration: int, index: int, owner: str, record: ToolCallRecord,
+                    tool_message: str, gen: int = 0) -> tuple[str, int]:  # fmt: skip
+        """Record one call; ('next', generation) means the turn's barrier passed: send the
+        next turn. ``owner`` '' records for nobody (the sweeper), if ``gen`` is still current."""
+        out = self._run(
+            "RECORD_CALL", run_id, call_key(iteration, index), iteration, owner, gen,
+            record.model_dump_json(), tool_message, record.tool_name, int(record.success),
         )  # fmt: skip
+        return _s(out[0]), int(out[1]) if len(out) > 1 else 0
 
-    def heartbeat(self, items: list[tuple[str, str, str]]) -> list[int]:
-        """Extend leases of in-flight steps: (run_id, 'turn'|'call', call key)."""
-        return self._beat(items, self._deadline(now_ms()))
+    def fail_call(self, run_id: str, key: str, owner: str, error: str) -> str:
+        """A call attempt raised in the worker's own code: retry it or give up."""
+        return _s(self._run("FAIL_CALL", run_id, key, owner, error[:500]))
 
-    def hand_back(self, items: list[tuple[str, str, str]]) -> None:
-        """Expire the leases of steps this process will not finish (a worker shutting
-        down): the next sweep, on any worker, re-dispatches them."""
-        now = now_ms()
-        self._beat(items, now)
-        if items:
-            self.redis.zadd(self.keys.leases(), {run_id: now for run_id, _, _ in items})
+    def heartbeat(self, items: list[Held]) -> list[int]:
+        """Extend the leases of held steps: 1 extended, 0 not ours any more, -1 run ended."""
+        return self._each("BEAT", items)
 
-    def _beat(self, items: list[tuple[str, str, str]], deadline: int) -> list[int]:
-        if not items:
-            return []
+    def hand_back(self, items: list[Held]) -> None:
+        """Let the leases of steps this process will not finish lapse now (a worker
+        shutting down): the next sweep, on any worker, sends them again."""
+        self._each("HAND_BACK", items)
+
+    def _each(self, script: str, items: list[Held]) -> list[int]:
+        out = self._many(script, [(h.run_id, (h.kind, h.key, h.owner, h.iteration)) for h in items])
+        for result in out:
+            if isinstance(result, Exception):
+                raise result
+        return out
+
+    def _many(self, script: str, calls: list[tuple[str, tuple]]) -> list[Any]:
+        """``script`` once per (run_id, args), a failed call's error in its place: one
+        pipeline on one Redis; on a Cluster one call each, since redis-py refuses EVALSHA
+        in a cluster pipeline ("Calling pipelined function evalsha is blocked")."""
+        if isinstance(self.redis, RedisCluster):
+            out: list[Any] = []
+            for run_id, args in calls:
+                try:
+                    out.append(self._run(script, run_id, *args))
+                except redis.ResponseError as exc:  # as the pipeline would; a lost node raises
+                    out.append(exc)
+            return out
         pipe = self.redis.pipeline(transaction=False)
-        for run_id, kind, key in items:
-            self._run("BEAT", run_id, kind, key, deadline, pipe=pipe)
-        return pipe.execute()
+        for run_id, args in calls:
+            self._run(script, run_id, *args, pipe=pipe)
+        return pipe.execute(raise_on_error=False) if calls else []
 
     # -- directives -----------------------------------------------------------
     def pause(self, run_id: str, by: str = "operator") -> str:
-        spec = self.spec(run_id)
-        if spec is None:
+        raw = self.redis.hget(self.keys.run(run_id), "spec")
+        if raw is None:
             return "missing"
-        now = now_ms()
-        deadline = now + int(spec.pause_max_s * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        self._run("PAUSE", run_id, now, self._maxlen, deadline, by, pipe=pipe)
-        pipe.zadd(self.keys.leases(), {run_id: deadline}, lt=True)
-        return _s(pipe.execute()[0])
+        try:  # read without validating: a spec that no longer parses can still be paused
+            pause_max_s = float(json.loads(raw).get("pause_max_s", 3600))
+        except (ValueError, TypeError, AttributeError):
+            pause_max_s = 3600.0
+        return _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
 
-    def resume(self, run_id: str, by: str = "operator") -> tuple[str, list[Any]]:
-        """Returns ('turn', [iteration]) / ('calls', [payload...]) to enqueue, or a reason."""
-        now = now_ms()
-        out = self._run("RESUME", run_id, now, self._maxlen, self._deadline(now), by)
+    def resume(self, run_id: str, by: str = "operator") -> tuple[str, list[Dispatch]]:
+        """Returns ('turn' | 'calls', the messages to send), or a reason and []."""
+        out = self._run("RESUME", run_id, by)
         kind = _s(out[0])
         if kind == "turn":
-            return kind, [int(out[1])]
+            return kind, [Dispatch(run_id, int(out[2]), iteration=int(out[1]))]
         if kind == "calls":
-            return kind, [json.loads(p) for p in out[1:]]
+            return kind, [Dispatch(run_id, int(out[i]), payload=json.loads(out[i + 1]))
+                          for i in range(1, len(out), 2)]  # fmt: skip
         return kind, []
 
-    def steer(self, run_id: str, text: str, by: str = "operator") -> str:
-        message = {"role": "system", "content": steer_message(text)}
-        return _s(self._run("STEER", run_id, now_ms(), self._maxlen, json.dumps(message), by))
+    def steer(self, run_id: str, text: str, by: str = "operator", source: str = "operator") -> str:
+        """'full' when STEER_MAX messages already wait for the next turn. ``source``:
+        'operator' (a person: CLI, API, client), or 'supervisor' / 'judge' (see steer_entry)."""
+        if len(text) > STEER_MAX_CHARS:
+            raise ValueError(f"steer text has {len(text):,} characters; the limit is {STEER_MAX_CHARS:,}")
+        message = steer_entry(text, source)
+        return _s(self._run("STEER", run_id, json.dumps(message), by, STEER_MAX))
 
     def abort(self, run_id: str, by: str = "operator", reason: str = "abort requested") -> str:
-        out = self._run(
-            "ABORT", run_id, now_ms(), self._maxlen, self.settings.retention_s, by, reason
-        )
-        return _s(out)
+        return _s(self._run("ABORT", run_id, by, reason))
 
     def mark_once(self, run_id: str, key: str, *event_fields: Any) -> bool:
         """Supervisor: True the first time ``key`` is marked for this run (emits an event)."""
-        now = now_ms()
-        return bool(self._run("MARK_ONCE", run_id, key, now, now, self._maxlen, *event_fields))
+        return bool(self._run("MARK_ONCE", run_id, key, now_ms(), *event_fields))
 
     # -- liveness -----------------------------------------------------------
-    def recover(self, run_id: str) -> Recovery | None:
-        """Look at one run due in the lease index; return what must be re-enqueued."""
-        now = now_ms()
-        out = self._run("RECOVER", run_id, now, self._deadline(now), self._maxlen)
-        kind = _s(out[0])
-        if kind in ("ended", "gone"):
-            self.redis.zrem(self.keys.leases(), run_id)
+    def due(self, shard: int, holder: str, batch: int = 1000) -> tuple[int, list[str], list[str]] | None:
+        """Take the shard's sweep lock (None if another sweeper holds it) and read what is
+        due: (Redis time, runs to look at, ended runs whose keys should have expired)."""
+        lock_ms = max(100, int(self.settings.sweep_interval_s * 1000 * 0.8))
+        keys = [self.keys.sweep_lock(shard), self.keys.leases(shard), self.keys.expiries(shard)]
+        out = self._due(keys=keys, args=[lock_ms, holder, batch])
+        if not out:
             return None
-        if kind == "pause_expired":
-            return Recovery(run_id, pause_expired=True)
-        self.redis.zadd(self.keys.leases(), {run_id: int(out[1])})
+        return int(out[0]), [_s(r) for r in out[1]], [_s(m) for m in out[2]]
+
+    def recover_many(self, run_ids: list[str]) -> list[Recovery | Exception]:
+        """The sweeper's look at each run (one pipeline); a run that cannot be read gives
+        its exception in its place, never failing the others."""
+        results: list[Recovery | Exception] = []
+        for run_id, out in zip(run_ids, self._many("RECOVER", [(r, ()) for r in run_ids]), strict=True):
+            try:
+                results.append(out if isinstance(out, Exception) else _recovery(run_id, out))
+            except Exception as exc:  # e.g. a stored payload that is not JSON
+                results.append(exc)
+        return results
+
+    def recover(self, run_id: str) -> Recovery:
+        [out] = self.recover_many([run_id])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def resend(self, dispatch: Dispatch) -> Dispatch | None:
+        """The message of a step was found gone: send the step again (None: it moved on)."""
+        out = self._run("RESEND", dispatch.run_id, dispatch.step, dispatch.gen)
+        kind = _s(out[0])
         if kind == "turn":
-            return Recovery(run_id, turn=int(out[2]))
-        if kind == "calls":
-            return Recovery(run_id, calls=[json.loads(p) for p in out[2:]])
+            return Dispatch(dispatch.run_id, int(out[2]), iteration=int(out[1]))
+        if kind == "call":
+            return Dispatch(dispatch.run_id, int(out[1]), payload=json.loads(out[2]))
         return None
 
-    def due_runs(self, limit: int = 500) -> list[str]:
-        """Runs whose next look is due; one sweeper per interval across all workers."""
-        lock_ms = int(self.settings.sweep_interval_s * 1000 * 0.8)
-        if not self.redis.set(self.keys.sweep_lock(), "1", nx=True, px=max(lock_ms, 100)):
-            return []
-        due = self.redis.zrangebyscore(self.keys.leases(), "-inf", now_ms(), start=0, num=limit)
-        return [_s(r) for r in due]
+    def queued(self, client: redis.Redis, queue_key: str, task_ids: list[str]) -> set[str]:
+        """Which of ``task_ids`` wait in a kombu queue (a list on the broker's Redis)."""
+        if not task_ids:
+            return set()
+        return {_s(i) for i in self._queued(keys=[queue_key], args=task_ids, client=client)}
+
+    def drop_expired(self, shard: int, members: list[str], now: int) -> int:
+        """Remove ended runs whose keys expired from the shard's run indexes (a run whose
+        expiry was pushed back by a late write is looked at again later)."""
+        if not members:
+            return 0
+        run_ids = [m.split("\t", 1)[0] for m in members]
+        pipe = self.redis.pipeline(transaction=False)
+        for run_id in run_ids:
+            pipe.pttl(self.keys.run(run_id))
+        ttls = pipe.execute()
+        expiries, dropped = self.keys.expiries(shard), 0
+        for member, run_id, ttl in zip(members, run_ids, ttls, strict=True):
+            if ttl != -2:  # still there: its expiry was pushed back (-1: none set, look later)
+                pipe.zadd(expiries, {member: now + (ttl if ttl > 0 else self.settings.retention_s * 1000)})
+                continue
+            tenant = member.split("\t", 1)[1] if "\t" in member else "default"
+            pipe.zrem(self.keys.runs(shard), run_id)
+            pipe.zrem(self.keys.tenant_runs(tenant, shard), run_id)
+            pipe.zrem(expiries, member)
+            dropped += 1
+        pipe.execute()
+        return dropped
+
+    def leases_due(self) -> int:
+        """Runs past their next look, over all shards (`tooloop doctor`)."""
+        now = self.time_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(SHARDS):
+            pipe.zcount(self.keys.leases(shard), "-inf", now)
+        return sum(pipe.execute())
 
     # -- reading ------------------------------------------------------------
     def state(self, run_id: str) -> dict[str, str]:
@@ -305,9 +449,14 @@ class RunStore:
         return build_result(run_id, {_s(k): _s(v) for k, v in raw_state.items()}, raw_calls)
 
     def list_runs(self, limit: int = 20, tenant: str | None = None) -> list[dict[str, str]]:
-        """Newest runs first (of one tenant, if given); expired runs are pruned from the index."""
-        index = self.keys.runs() if tenant is None else self.keys.tenant_runs(tenant)
-        ids = [_s(r) for r in self.redis.zrevrange(index, 0, limit - 1)]
+        """Newest runs first (of one tenant, if given), merged over the shards' indexes;
+        expired runs are pruned from the index."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(SHARDS):
+            index = self.keys.runs(shard) if tenant is None else self.keys.tenant_runs(tenant, shard)
+            pipe.zrevrange(index, 0, limit - 1, withscores=True)
+        newest = sorted(((score, _s(r)) for rows in pipe.execute() for r, score in rows), reverse=True)
+        ids = [run_id for _, run_id in newest[:limit]]
         pipe = self.redis.pipeline(transaction=False)
         fields = ("status", "exit", "iteration", "tokens_used", "tenant", "created_at", "spec")
         for run_id in ids:
@@ -318,10 +467,12 @@ class RunStore:
                 expired.append(run_id)
                 continue
             row = dict(zip(fields, map(_s, values), strict=True))
-            row["model"] = parse_spec(row.pop("spec")).model
+            row["model"] = _model_of(row.pop("spec"))
             rows.append({"run_id": run_id, **row})
-        if expired:
-            self.redis.zrem(index, *expired)
+        for run_id in expired:
+            shard = shard_of(run_id)
+            index = self.keys.runs(shard) if tenant is None else self.keys.tenant_runs(tenant, shard)
+            self.redis.zrem(index, run_id)
         return rows
 
     def read_events(
@@ -354,7 +505,7 @@ class RunStore:
 
     # -- worker registry / tool catalog -----------------------------------------
     def publish_worker(self, name: str, info: dict[str, Any]) -> None:
-        info = {**info, "seen": time.time()}
+        info = {**info, "seen": self.time_ms() / 1000}  # Redis's clock: hosts may disagree
         self.redis.hset(self.keys.workers(), name, json.dumps(info))
 
     def remove_worker(self, name: str) -> None:
@@ -362,7 +513,7 @@ class RunStore:
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """Workers seen within WORKER_TTL_S; entries of long-dead ones are dropped."""
-        now = time.time()
+        now = self.time_ms() / 1000
         workers, dead = {}, []
         for name, raw in self.redis.hgetall(self.keys.workers()).items():
             info = json.loads(raw)
@@ -375,6 +526,16 @@ class RunStore:
             self.redis.hdel(self.keys.workers(), *dead)
         return workers
 
+    def tools_last_seen(self) -> dict[str, float]:
+        """Tool name -> when a worker publishing it was last seen (Redis time, seconds),
+        over every registry entry, dead workers' included (kept 100 x WORKER_TTL_S)."""
+        seen: dict[str, float] = {}
+        for raw in self.redis.hvals(self.keys.workers()):
+            info = json.loads(raw)
+            for tool in info.get("tools", []):
+                seen[tool["name"]] = max(seen.get(tool["name"], 0.0), info.get("seen", 0.0))
+        return seen
+
     def catalog(self) -> dict[str, dict[str, Any]]:
         """Tool name -> tool definition, over all live tool workers."""
         tools: dict[str, dict[str, Any]] = {}
@@ -382,6 +543,43 @@ class RunStore:
             for tool in info.get("tools", []):
                 tools.setdefault(tool["name"], tool)
         return tools
+
+
+def usage(tokens: int, cost_usd: float) -> str:
+    """A reply's usage as the scripts take it: '<tokens> <cost usd>'."""
+    return f"{int(tokens)} {cost_usd:.10f}"
+
+
+def _model_of(spec_json: str) -> str:
+    """The model a stored spec names, read without validating it (listing must not fail)."""
+    try:
+        return str(json.loads(spec_json).get("model", "?"))
+    except (ValueError, AttributeError):
+        return "?"
+
+
+def _recovery(run_id: str, out: list[Any]) -> Recovery:
+    """RECOVER's answer, read: ('turn', gen, iteration, what) / (key, gen, what, payload)."""
+    outcome = _s(out[0])
+    found = Recovery(run_id, outcome)
+    items = out[1:] if outcome == "steps" else []
+    for i in range(0, len(items), 4):
+        step, gen, third, fourth = (_s(items[i]), int(items[i + 1]), items[i + 2], items[i + 3])
+        if step == "turn":
+            dispatch, what = Dispatch(run_id, gen, iteration=int(third)), _s(fourth)
+        else:
+            dispatch, what = Dispatch(run_id, gen, payload=json.loads(fourth)), _s(third)
+        (found.sends if what == "send" else found.checks).append(dispatch)
+    return found
+
+
+def steer_entry(text: str, source: str = "operator") -> dict[str, str]:
+    """The history message of a steer. An operator's is a ``system`` message. A supervisor
+    rule's (the spec's text) and a judge's verdict (a model's text, which injected tool
+    output can sway) are ``user`` messages marked with their source: never operator's."""
+    if source == "operator":
+        return {"role": "system", "content": steer_message(text)}
+    return {"role": "user", "content": f"[{source}] {text}"}
 
 
 def steer_message(text: str) -> str:
@@ -402,6 +600,9 @@ def build_result(run_id: str, state: dict[str, str], raw_calls: dict[Any, Any]) 
         result=json.loads(state["result"]) if state.get("result") else None,
         iterations=int(state.get("iteration") or 0),
         tokens_used=int(state.get("tokens_used") or 0),
+        tokens_compaction=int(state.get("tokens_compaction") or 0),
+        tokens_judge=int(state.get("tokens_judge") or 0),
+        cost_usd=float(state.get("cost_usd") or 0),
         terminated_by_limit=exit_ in LIMIT_EXITS,
         error=state.get("error") or None,
         error_type=state.get("error_type") or None,

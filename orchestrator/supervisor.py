@@ -250,4 +250,5 @@ def parse_verdict(content: str | None) -> Verdict:
 
 
 def judge_steer_text(verdict: Verdict) -> str:
-    return f"A supervisor reviewing this run's progress found a problem: {verdict.reason}"
+    return (f"An automated judge reviewing this run's progress (not your operator) found a "
+            f"problem: {verdict.reason}")  # fmt: skip

@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from orchestrator.approvals import check_approval
+from orchestrator.credentials import check_call
+from orchestrator.http_tools import check_http_tools
 from orchestrator.models import RunSpec
 from orchestrator.secrets import SecretError, seal_params
-from orchestrator.settings import get_settings
+from orchestrator.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from orchestrator.store import RunStore
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run id names keys and a folder: a plain name only
+
+
+def run_id_error(run_id: object) -> str | None:
+    """Why ``run_id`` is refused, or None (``../x``, ``/etc``, ``a}b`` would reach past the
+    run's folder or its keys' hash tag)."""
+    if isinstance(run_id, str) and RUN_ID.fullmatch(run_id):
+        return None
+    return f"run_id: {run_id!r} must match [A-Za-z0-9_-]{{1,64}}"
+
+
+def bind_tenant(spec: RunSpec, tenant: str) -> RunSpec:
+    """A producer configured with a tenant (``TOOLOOP_TENANT``) submits only for it: a spec
+    that names no tenant gets it, one naming another is refused (``SpecError``)."""
+    if not tenant:
+        return spec
+    if "tenant" not in spec.model_fields_set:
+        return spec.model_copy(update={"tenant": tenant})
+    if spec.tenant != tenant:
+        why = f"{spec.tenant!r} is not this producer's tenant {tenant!r} (TOOLOOP_TENANT)"
+        raise SpecError([f"tenant: {why}"])
+    return spec
 
 
 class SpecError(ValueError):
@@ -41,7 +69,7 @@ def validation_messages(exc: ValidationError) -> list[str]:
 
 @dataclass
 class SpecReport:
-    stored_spec: RunSpec  # what goes to Redis: literal API keys sealed
+    stored_spec: RunSpec  # what goes to Redis: credentials sealed for the tenant
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     steering_docs: list[str] = field(default_factory=list)
@@ -49,30 +77,80 @@ class SpecReport:
 
 
 def check_spec(spec: RunSpec, store: RunStore | None) -> SpecReport:
+    settings = store.settings if store is not None else get_settings()
     report = SpecReport(stored_spec=spec)
-    _check_secrets(spec, report)
+    _check_secrets(spec, report, settings)
+    _check_scrub_opt_out(spec, settings, report)
     _load_agent_docs(spec, store, report)
     _check_supervisor(spec, report)
+    _check_sandbox_root(spec, store, report)
     if store is not None:
         _check_tools(spec, store, report)
+    check_http_tools(spec, store.catalog() if store is not None else None, settings, report)
+    check_approval(report)
     _check_round_trip(report)
     return report
 
 
-def _check_secrets(spec: RunSpec, report: SpecReport) -> None:
-    """Seal literal API keys (the run's and the judge's) before they reach Redis."""
+def _check_secrets(spec: RunSpec, report: SpecReport, settings: Settings) -> None:
+    """What the spec asks of the worker's credentials (orchestrator/credentials.py), then
+    every credential sealed for the run's tenant before it reaches Redis: the run's
+    params (shared by its fallbacks) and the judge's."""
+    judge = spec.supervisor.judge if spec.supervisor else None
+    report.errors += check_model_params(spec, settings)
+    if report.errors:
+        return
     try:
-        sealed = seal_params(spec.model_params)
-        judge = spec.supervisor.judge if spec.supervisor else None
-        judge_sealed = seal_params(judge.model_params) if judge else None
+        sealed = seal_params(spec.model_params, spec.tenant)
+        judge_sealed = seal_params(judge.model_params, spec.tenant, where=JUDGE_PARAMS) if judge else None
     except SecretError as exc:
-        report.errors.append(str(exc))
+        report.errors += str(exc).splitlines()
         return
     stored = spec.model_copy(update={"model_params": sealed})
-    if judge is not None and judge_sealed is not judge.model_params:
+    if judge is not None and spec.supervisor is not None:
         new_judge = judge.model_copy(update={"model_params": judge_sealed})
         stored.supervisor = spec.supervisor.model_copy(update={"judge": new_judge})
     report.stored_spec = stored
+
+
+def _check_sandbox_root(spec: RunSpec, store: RunStore | None, report: SpecReport) -> None:
+    """``context.sandbox_root`` is handed to the run's tools: only inside the operator's roots."""
+    if spec.context is None or spec.context.sandbox_root is None:
+        return
+    from orchestrator.sandbox_roots import FolderRefused, check_given
+
+    settings = store.settings if store is not None else get_settings()
+    try:
+        check_given(settings, spec.context.sandbox_root)
+    except FolderRefused as exc:
+        report.errors.append(f"context.sandbox_root: {exc}")
+
+
+JUDGE_PARAMS = "supervisor.judge.model_params"
+
+
+def check_model_params(spec: RunSpec, settings: Settings | None = None) -> list[str]:
+    """The credential rules for every model the run may call: its model, its fallbacks
+    (which share model_params) and the judge."""
+    settings = settings or get_settings()
+    models = [("model", spec.model)]
+    # `fallbacks` (issue 8) share the run's model_params: each model string is checked too.
+    models += [(f"fallbacks.{i}", m) for i, m in enumerate(getattr(spec, "fallbacks", None) or [])]
+    errors: list[str] = []
+    for field_name, model in models:
+        errors += check_call(model, spec.model_params, settings, "model_params", field_name)
+    judge = spec.supervisor.judge if spec.supervisor else None
+    if judge is not None:
+        errors += check_call(judge.model, judge.model_params, settings, JUDGE_PARAMS,
+                             "supervisor.judge.model")  # fmt: skip
+    return list(dict.fromkeys(errors))  # fallbacks repeat the params' findings
+
+
+def _check_scrub_opt_out(spec: RunSpec, settings: Settings, report: SpecReport) -> None:
+    """Unscrubbed originals are kept sealed for the model: that needs the deployment's key."""
+    if not spec.scrub_model_input and not settings.secret_key:
+        report.errors.append("scrub_model_input: false keeps unmasked tool outputs sealed in Redis; "
+                             "set TOOLOOP_SECRET_KEY (shared with the workers)")  # fmt: skip
 
 
 def _check_supervisor(spec: RunSpec, report: SpecReport) -> None:

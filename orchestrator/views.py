@@ -7,6 +7,7 @@ rich wraps at 80 columns in pipes, which breaks parsers.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterable
@@ -93,9 +94,22 @@ def event_line(event: dict[str, str]) -> str:
         return f"turn {event['iteration']} tool {event['tool']} success={ok}"
     if kind == "outcome":
         return f"outcome exit={event['exit']} status={event['status']} turn={event['iteration']}"
+    if kind == "text":  # streamed model text, JSON-quoted: its newlines stay on one line
+        return f"turn {event['iteration']} text {json.dumps(event['text'])}"
+    if kind == "approval":
+        return approval_line(event)
     skip = {"type", "ts", "id"}
     details = " ".join(f"{k}={v}" for k, v in event.items() if k not in skip)
     return f"{kind} {details}".strip()
+
+
+def approval_line(event: dict[str, str]) -> str:
+    """A call waiting for a person, or the decision taken on it."""
+    call, tool = event.get("call_id", "?"), event.get("tool", "?")
+    if event.get("decision") == "pending":
+        return (f"approval pending call={call} tool={tool} arguments={event.get('arguments', '')} "
+                f"(tooloop approve|deny RUN {call})")  # fmt: skip
+    return f"approval {event.get('decision')} call={call} tool={tool} by={event.get('by', '')}"
 
 
 def watch_run(handle: Any) -> RunResult | None:
@@ -122,10 +136,18 @@ class WatchState:
     started_ms: int | None = None  # the `queued` event: the run's creation
     ended_ms: int | None = None  # the `outcome` event
     lines: list[str] = field(default_factory=list)
+    text: str = ""  # the model's streamed text, this turn
+    turn_streaming: str = ""
+    waiting: int = 0  # calls waiting for a person's decision
 
     def apply(self, event: dict[str, str]) -> None:
-        self.lines.append(event_line(event))
         kind, ts = event.get("type"), int(event.get("ts") or 0) or None
+        if kind == "text":  # shown as it grows, not as event lines
+            same_turn = event["iteration"] == self.turn_streaming
+            self.text = self.text + event["text"] if same_turn else event["text"]
+            self.turn_streaming = event["iteration"]
+            return
+        self.lines.append(event_line(event))
         if kind == "queued":
             self.started_ms = ts
         elif kind == "iteration":
@@ -135,6 +157,9 @@ class WatchState:
             self.failed += event.get("success") != "1"
         elif kind == "control":
             self.status = _CONTROL_STATUS.get(event.get("action", ""), self.status)
+        elif kind == "approval":
+            self.waiting += 1 if event.get("decision") == "pending" else -1
+            self.status = f"waiting for {self.waiting} approval(s)" if self.waiting else "running"
         elif kind == "outcome":
             self.status, self.ended_ms = f"{event['status']} ({event['exit']})", ts
 
@@ -156,9 +181,12 @@ class WatchState:
         table.add_row("tokens", self.tokens)
         table.add_row("elapsed", f"{self.elapsed_s():.1f}s")
         table.add_row("events", "\n".join(self.lines[-10:]))
+        if self.text:
+            table.add_row(f"text (turn {self.turn_streaming})", self.text[-TEXT_SHOWN:])
         return table
 
 
+TEXT_SHOWN = 600  # characters of streamed text in the live view
 _CONTROL_STATUS = {"pause": "paused", "resume": "running", "abort": "aborting"}
 
 

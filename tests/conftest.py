@@ -3,10 +3,21 @@
 The suite uses ``TOOLOOP_REDIS_URL`` (default 127.0.0.1:6379) if it answers,
 else starts a throwaway ``redis-server``; every session gets its own key prefix,
 so runs never collide with other sessions sharing the server.
+
+Broker/store matrix: the loop, durability and control suites run once per stack
+(``--stacks``, default from ``TOOLOOP_TEST_STACKS`` or all of them):
+  redis    Redis as broker and store
+  amqp     RabbitMQ as broker (a vhost of this session's own), Redis as store
+  cluster  a Redis Cluster of three primaries (started for the session by
+           tests/servers.py) as store, the session's plain Redis as broker (kombu
+           cannot use a cluster)
+  amqp-cluster  RabbitMQ as broker, a Redis Cluster as store
+A stack whose servers are missing is skipped, with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -41,6 +52,18 @@ def start_redis(port: int, *extra: str) -> subprocess.Popen:
     raise RuntimeError("redis-server did not start")
 
 
+STACKS = ("redis", "amqp", "cluster", "amqp-cluster")
+MATRIX_MODULES = {"test_loop", "test_durability", "test_control"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stacks", default=os.environ.get("TOOLOOP_TEST_STACKS", ",".join(STACKS)),
+        help="broker/store pairings the loop, durability and control suites run on "
+             f"(comma-separated among {', '.join(STACKS)})",
+    )  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
     url = os.environ.get("TOOLOOP_REDIS_URL", "redis://127.0.0.1:6379/0")
     if not redis_answers(url):
@@ -52,12 +75,39 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TOOLOOP_TOOLS"] = "tests.tools"
     os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "6")
     os.environ["TOOLOOP_SANDBOX_ROOT"] = tempfile.mkdtemp(prefix="tooloop-test-")
+    os.environ["TOOLOOP_SANDBOX_ALLOW"] = tempfile.mkdtemp(prefix="tooloop-allow-")  # context.sandbox_root
     os.environ["TOOLOOP_SECRET_KEY"] = "test-secret"
     os.environ["OPENAI_API_KEY"] = "sk-test"
+    # The scripted model is the one endpoint the workers' keys may go to (besides providers').
+    os.environ["TOOLOOP_TEST_MODEL_PORT"] = str(free_port())
+    os.environ["TOOLOOP_ALLOWED_API_BASES"] = f"http://127.0.0.1:{os.environ['TOOLOOP_TEST_MODEL_PORT']}/v1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "stack" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in MATRIX_MODULES:
+        wanted = [s.strip() for s in metafunc.config.getoption("stacks").split(",") if s.strip()]
+        unknown = set(wanted) - set(STACKS)
+        if unknown:
+            raise pytest.UsageError(f"--stacks: unknown {sorted(unknown)}; known: {', '.join(STACKS)}")
+        metafunc.parametrize("stack", wanted, indirect=True, scope="session")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """One stack after the other (the default one first): each stack's worker starts once."""
+
+    def rank(item: pytest.Item) -> int:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return STACKS.index(params["stack"]) if "stack" in params else 0
+
+    items.sort(key=rank)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    for stack in _STACKS.values():
+        stack.close()
+    _Vhost.stop()  # also when only the amqp_url fixture made it (no amqp stack)
     import redis
 
     try:
@@ -76,33 +126,155 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def model_server() -> Iterator:
     from orchestrator.scripted_model import ScriptedModel
 
-    server = ScriptedModel().start()
+    server = ScriptedModel(port=int(os.environ["TOOLOOP_TEST_MODEL_PORT"])).start()
     yield server
     server.stop()
 
 
+# -- stacks: broker/store pairings ------------------------------------------------------------
+class Stack:
+    """One broker/store pairing: its TOOLOOP_* overrides, store, client and (on first use)
+    its shared worker. Only one stack's worker runs at a time."""
+
+    def __init__(self, name: str, env: dict[str, str], servers: list | None = None) -> None:
+        from orchestrator import Client
+        from orchestrator.settings import Settings, get_settings
+        from orchestrator.store import RunStore
+
+        self.name, self.env, self.servers = name, env, servers or []
+        self.settings = Settings(**settings_fields(env)) if env else get_settings()
+        self.store = RunStore.from_settings(self.settings)
+        self.client = Client(settings=self.settings, store=self.store)
+        self._worker: WorkerProcess | None = None
+
+    def worker(self) -> WorkerProcess:
+        if self._worker is None:
+            for other in _STACKS.values():
+                if other is not self:
+                    other.stop_worker()
+            proc = WorkerProcess(f"main-{self.name}-{uuid.uuid4().hex[:6]}", "-c", "4", env=self.env)
+            self._worker = proc.wait_ready(self.store)
+        return self._worker
+
+    def stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def queued(self, queue: str, celery_app=None) -> int:
+        """Messages waiting in one of this stack's queues (whatever the broker)."""
+        from worker.broker import queue_depths
+
+        return queue_depths(celery_app or self.client.celery, [queue])[queue] or 0
+
+    def close(self) -> None:
+        self.stop_worker()
+        for server in self.servers:
+            server.stop()
+
+
+_STACKS: dict[str, Stack] = {}
+
+
+def settings_fields(env: dict[str, str]) -> dict[str, str]:
+    return {k.removeprefix("TOOLOOP_").lower(): v for k, v in env.items() if k.startswith("TOOLOOP_")}
+
+
+class _Vhost:
+    """The session's RabbitMQ vhost, made on first use, dropped at the end."""
+
+    vhost = None
+
+    @classmethod
+    def url(cls) -> str:
+        from tests.servers import AMQP_URL, RabbitVhost
+
+        base = os.environ.get("TOOLOOP_TEST_AMQP_URL", AMQP_URL)
+        if cls.vhost is None and not cls._answers(base):
+            why = f"RabbitMQ does not answer at {base} (set TOOLOOP_TEST_AMQP_URL)"
+            if os.environ.get("TOOLOOP_TEST_REQUIRE_AMQP"):  # CI started one: its loss is a failure
+                pytest.fail(why)
+            pytest.skip(why)
+        if cls.vhost is None:
+            cls.vhost = RabbitVhost(base, f"tooloop-{os.environ['TOOLOOP_KEY_PREFIX']}")
+        return cls.vhost.url
+
+    @staticmethod
+    def _answers(base: str, within: float = 30) -> bool:
+        """A loaded machine may take seconds to answer a handshake: not a reason to skip."""
+        from tests.servers import amqp_answers
+
+        deadline = time.monotonic() + within
+        while not amqp_answers(base):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1)
+        return True
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.vhost is not None:
+            cls.vhost.delete()
+            cls.vhost = None
+
+
+def make_stack(name: str) -> Stack:
+    if name == "redis":
+        return Stack(name, {})
+    if name == "amqp":
+        return Stack(name, {"TOOLOOP_BROKER_URL": _Vhost.url()}, servers=[_Vhost])
+    if name == "cluster":
+        return cluster_stack(name, os.environ["TOOLOOP_REDIS_URL"])
+    if name == "amqp-cluster":
+        return cluster_stack(name, _Vhost.url(), [_Vhost])
+    raise ValueError(name)
+
+
+def cluster_stack(name: str, broker: str, others: list | None = None) -> Stack:
+    """A 3-primary Redis Cluster as store; ``broker``: the session's plain Redis or its
+    RabbitMQ vhost (kombu cannot use a cluster)."""
+    from tests.servers import RedisCluster
+
+    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
+        pytest.skip("redis-server and redis-cli are needed to start a Redis Cluster")
+    cluster = RedisCluster(masters=3)
+    env = {"TOOLOOP_REDIS_URL": cluster.url, "TOOLOOP_BROKER_URL": broker}
+    try:
+        return Stack(name, env, servers=[cluster, *(others or [])])
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """This session's RabbitMQ vhost, as a broker URL (skips where RabbitMQ is absent)."""
+    return _Vhost.url()
+
+
+@pytest.fixture(scope="session")
+def stack(request: pytest.FixtureRequest) -> Stack:
+    """The broker/store pairing of this test (the default one outside the matrix)."""
+    name = getattr(request, "param", "redis")
+    if name not in _STACKS:
+        _STACKS[name] = make_stack(name)
+    return _STACKS[name]
+
+
 # -- workers ------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def store():
-    from orchestrator.store import RunStore
-
-    return RunStore.from_settings()
+def store(stack):
+    return stack.store
 
 
 @pytest.fixture(scope="session")
-def client(store):
-    from orchestrator import Client
-
-    return Client(store=store)
+def client(stack):
+    return stack.client
 
 
 @pytest.fixture(scope="session")
-def worker(store) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(f"main-{uuid.uuid4().hex[:6]}", "-c", "4")
-    try:
-        yield proc.wait_ready(store)
-    finally:
-        proc.stop()
+def worker(stack) -> WorkerProcess:
+    return stack.worker()
 
 
 class Deployment:
@@ -114,30 +286,62 @@ class Deployment:
         from orchestrator.store import RunStore
 
         self.prefix, self.env = prefix, {"TOOLOOP_KEY_PREFIX": prefix, **env}
-        self.settings = Settings(key_prefix=prefix, **{k.removeprefix("TOOLOOP_").lower(): v
-                                                       for k, v in env.items() if k.startswith("TOOLOOP_")})
+        self.settings = Settings(**settings_fields(self.env))
         self.store = RunStore.from_settings(self.settings)
         self.client = Client(settings=self.settings, store=self.store)
         self.workers: list[WorkerProcess] = []
 
-    def start_worker(self, *args: str, roles: tuple[str, ...] = ("turns", "tools")) -> WorkerProcess:
-        proc = WorkerProcess(f"{self.prefix}-{len(self.workers)}", *args, env=self.env)
+    def start_worker(self, *args: str, roles: tuple[str, ...] = ("turns", "tools"),
+                     env: dict[str, str] | None = None) -> WorkerProcess:  # fmt: skip
+        proc = WorkerProcess(f"{self.prefix}-{len(self.workers)}", *args, env={**self.env, **(env or {})})
         self.workers.append(proc)
         return proc.wait_ready(self.store, roles)
+
+    def queued(self, queue: str) -> int:
+        """Messages waiting in one of this deployment's queues (whatever the broker)."""
+        from worker.broker import queue_depths
+
+        return queue_depths(self.client.celery, [queue])[queue] or 0
 
     def stop(self) -> None:
         for proc in self.workers:
             proc.stop()
+        if self.env.get("TOOLOOP_BROKER_URL", "").startswith("amqp"):
+            drop_queues(self.env["TOOLOOP_BROKER_URL"], self.store.keys)
+
+
+def drop_queues(url: str, keys) -> None:
+    """A deployment's RabbitMQ queues, deleted when it stops: each quorum queue holds
+    descriptors of RabbitMQ's, and a session's hundreds of deployments (a queue per tool
+    each) exhausted them: RabbitMQ then stopped accepting connections."""
+    from kombu import Connection
+
+    import tests.tools  # noqa: F401  (the tools the workers have, hence their queues)
+    import worker.builtins  # noqa: F401
+    from worker.registry import REGISTRY
+
+    names = [keys.turn_queue, keys.tool_queue, *(keys.tool_queue_of(t) for t in REGISTRY)]
+    with Connection(url, connect_timeout=10) as conn:
+        for name in names:
+            channel = conn.channel()
+            try:
+                channel.queue_delete(name)
+                channel.exchange_delete(name)
+            except conn.channel_errors:  # never declared
+                pass
+            finally:
+                with contextlib.suppress(*conn.channel_errors):
+                    channel.close()
 
 
 @pytest.fixture
-def deployment() -> Iterator:
+def deployment(stack) -> Iterator:
     """Factory: ``deployment(**env)`` -> a Deployment with no workers yet (for tests that
-    starve, kill or count workers without disturbing the shared one)."""
+    starve, kill or count workers without disturbing the shared one), on the test's stack."""
     made: list[Deployment] = []
 
     def make(**env: str) -> Deployment:
-        d = Deployment(f"{os.environ['TOOLOOP_KEY_PREFIX']}-{uuid.uuid4().hex[:6]}", env)
+        d = Deployment(f"{os.environ['TOOLOOP_KEY_PREFIX']}-{uuid.uuid4().hex[:6]}", {**stack.env, **env})
         made.append(d)
         return d
 
@@ -165,3 +369,38 @@ def spec(model_server):
         return {"prompt": "do the task", "model": model, "model_params": params, **fields}
 
     return make
+
+
+# -- a Redis of the test's own (restart it, stop it) ----------------------------------
+@pytest.fixture
+def aof_redis(tmp_path):
+    """A Redis of our own with AOF on (as deploy/ and docker-compose.yml configure it)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server not installed")
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--maxmemory-policy", "noeviction"]  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+
+    class Server:
+        proc: subprocess.Popen
+
+        def start(self) -> None:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+            from tests.helpers import wait_for
+
+            wait_for(lambda: redis_answers(url), timeout=10)
+
+        def restart(self) -> None:
+            self.proc.terminate()  # SIGTERM: Redis flushes the AOF and exits
+            self.proc.wait(timeout=10)
+            time.sleep(1.0)  # workers see the connection drop
+            self.start()
+
+    server = Server()
+    server.url = url
+    server.start()
+    yield server
+    server.proc.kill()

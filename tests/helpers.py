@@ -36,3 +36,42 @@ def gate(holds: list[threading.Event]) -> threading.Event:
     event = threading.Event()
     holds.append(event)
     return event
+
+
+def redis_values(redis_client: Any, pattern: str) -> dict[str, list[bytes]]:
+    """Every value held under keys matching ``pattern``: string, each hash field and value,
+    each list item, each stream entry field (for checks of what a run stores)."""
+    out: dict[str, list[bytes]] = {}
+    for key in redis_client.scan_iter(pattern, count=1000):
+        kind = redis_client.type(key).decode()
+        if kind == "string":
+            values = [redis_client.get(key)]
+        elif kind == "hash":
+            values = [b for kv in redis_client.hgetall(key).items() for b in kv]
+        elif kind == "list":
+            values = redis_client.lrange(key, 0, -1)
+        elif kind == "set":
+            values = list(redis_client.smembers(key))
+        elif kind == "zset":
+            values = [m for m, _ in redis_client.zrange(key, 0, -1, withscores=True)]
+        elif kind == "stream":
+            values = [b for _, fields in redis_client.xrange(key) for kv in fields.items() for b in kv]
+        else:
+            values = []
+        out[key.decode()] = [v if isinstance(v, bytes) else str(v).encode() for v in values if v is not None]
+    return out
+
+
+def tool_run(spec, n: int = 3, **extra) -> dict:
+    """A spec of ``n`` turns each calling ``add(i, 1)``, then "done"."""
+    steps = [tools(call("add", {"a": i, "b": 1}), **extra) for i in range(n)] + [{"content": "done"}]
+    return spec(steps, tools=["add"])
+
+
+def assert_done(result, n: int = 3) -> None:
+    """A ``tool_run`` run completed, every call recorded, each reply billed once."""
+    from orchestrator import Status
+
+    assert (result.status, result.content) == (Status.completed, "done")
+    assert [r.output for r in result.tool_calls] == [i + 1 for i in range(n)]
+    assert result.tokens_used == 30 * result.iterations

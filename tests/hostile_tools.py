@@ -7,6 +7,7 @@ Every tool is registered twice: ``name`` (the default, forked layer) and
 from __future__ import annotations
 
 import contextlib
+import encodings.idna  # noqa: F401  (socket needs it; outside bwrap a call's uid may not read Python lazily)
 import os
 import resource
 import signal
@@ -189,3 +190,71 @@ def append_text(name: str, text: str) -> str:
         f.write(text)
     with open(name) as f:
         return f.read()
+
+
+@_both
+def worker_secrets() -> dict:
+    """Look for the worker's secrets where a forked call inherited them: its settings, its
+    store's and Celery's connection details, the sealing key's Fernet objects; and every
+    object of those kinds left anywhere in the heap."""
+    import gc
+    import sys
+
+    texts: list[str] = []
+    modules = sys.modules
+    if "orchestrator.settings" in modules:
+        texts.append(repr(modules["orchestrator.settings"].get_settings().__dict__))
+    if "worker.app" in modules:
+        app = modules["worker.app"].app
+        texts += [repr(getattr(app, "tooloop_settings", None).__dict__), str(app.conf.broker_url),
+                  str(app.conf.result_backend)]  # fmt: skip
+        try:
+            texts.append(repr(modules["worker.app"].get_store().redis.connection_pool.connection_kwargs))
+        except Exception as exc:  # its URL is gone: no store can be made
+            texts.append(f"no store: {exc}")
+    kinds = ("Settings", "ConnectionPool", "Connection", "RedisBackend", "Fernet", "Celery")
+    fernets = 0
+    for obj in gc.get_objects():
+        kind = type(obj).__name__
+        if kind in kinds:
+            fernets += kind == "Fernet"
+            texts.append(_shown(obj))
+    return {"text": "\n".join(texts), "fernets": fernets}
+
+
+def _shown(obj: Any) -> str:
+    """An object's fields as text; some reprs fail in the fork (an AMQP transport asks its
+    socket, now /dev/null, for its address: ENOTSOCK), so each field is shown on its own."""
+    fields = vars(obj) if hasattr(obj, "__dict__") else {"": obj}
+    shown = []
+    for name, value in fields.items():
+        try:
+            shown.append(f"{name}={value!r}")
+        except Exception as exc:
+            shown.append(f"{name}=<{type(value).__name__}: {exc}>")
+    return ", ".join(shown)
+
+
+@_both
+def fill_disk(files: int, mb: int, pause: float = 0.0) -> int:
+    """Write ``files`` files of ``mb`` MiB each into the run's folder, ``pause`` s apart."""
+    for n in range(files):
+        with open(f"fill-{n}.bin", "wb") as f:
+            for _ in range(mb):
+                f.write(b"\1" * (1 << 20))
+        time.sleep(pause)
+    return files * mb
+
+
+@_both
+def open_until_refused(limit: int = 5000) -> dict:
+    """Open /dev/null until the kernel says no (or ``limit``): how many more the call got."""
+    held, error = [], ""
+    try:
+        while len(held) < limit:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError as exc:
+        error = exc.strerror or str(exc)
+    for fd in held:
+        os.close(fd)
+    return {"opened": len(held), "error": error}

@@ -22,8 +22,6 @@ from tests.helpers import wait_for
 TOKENS = "tok-acme=acme,tok-globex=globex"
 
 
-
-
 def add_call(delay: float = 0, **extra: Any) -> dict[str, Any]:
     return {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}], "delay": delay, **extra}
 
@@ -59,10 +57,6 @@ def http(api_server) -> Iterator[httpx.Client]:
         yield c
 
 
-
-
-
-
 def sse_events(response: httpx.Response) -> Iterator[dict[str, str]]:
     """Parse a text/event-stream: one dict per event (its data), with `_event` and `_id`."""
     frame: dict[str, str] = {}
@@ -83,7 +77,7 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, str]]:
 # -- auth ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "method,path",
-    [("GET", "/api/runs"), ("GET", "/api/runs/x"), ("GET", "/api/runs/x/events"),
+    [("GET", "/api/runs"), ("POST", "/api/runs"), ("GET", "/api/runs/x"), ("GET", "/api/runs/x/events"),
      ("POST", "/api/runs/x/pause"), ("POST", "/api/runs/x/resume"), ("POST", "/api/runs/x/abort"),
      ("POST", "/api/runs/x/steer")],
 )  # fmt: skip
@@ -99,7 +93,91 @@ def test_openapi_schema_is_served(api_server) -> None:
     for path in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/events", "/api/runs/{run_id}/steer"):
         assert path in schema["paths"]
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert httpx.get(api_server.base_url + "/api/health").json() == {"ok": True}
+    health = httpx.get(api_server.base_url + "/api/health").json()
+    assert health["ok"] is True and isinstance(health["sandbox"], dict)  # per worker: layers live / off
+
+
+def test_openapi_lists_the_status_codes_each_route_answers(api_server) -> None:
+    paths = httpx.get(api_server.base_url + "/openapi.json").json()["paths"]
+    for path, operations in paths.items():
+        for method, op in operations.items():
+            codes = set(op["responses"])
+            if path.startswith("/api/runs"):
+                assert "401" in codes, (method, path)
+            if "{run_id}" in path:
+                assert {"404", "422"} <= codes, (method, path)
+    assert {"201", "401", "422"} <= set(paths["/api/runs"]["post"]["responses"])
+    assert "400" in paths["/api/runs/{run_id}/events"]["get"]["responses"]
+    assert "400" in paths["/api/runs/{run_id}/steer"]["post"]["responses"]
+    for action in ("pause", "resume", "abort", "steer"):
+        assert "409" in paths[f"/api/runs/{{run_id}}/{action}"]["post"]["responses"]
+    assert "503" in paths["/api/health"]["get"]["responses"]
+
+
+# -- submitting -----------------------------------------------------------------------------------
+def test_submit_over_http_runs_for_the_tokens_tenant(http, client, worker, spec) -> None:
+    reply = http.post("/api/runs", json=spec([add_call(), {"content": "3"}], tools=["add"]))
+    assert reply.status_code == 201, reply.text
+    body = reply.json()
+    assert body["status"] == "queued" and body["warnings"] == []
+    result = client.get(body["run_id"]).wait(timeout=30)
+    assert (result.status, result.content, result.tool_calls[0].output) == (Status.completed, "3", 3)
+    assert client.store.state(body["run_id"])["tenant"] == "acme"
+    assert http.get(f"/api/runs/{body['run_id']}").json()["content"] == "3"
+    # the other tenant cannot see it
+    other = http.get(f"/api/runs/{body['run_id']}", headers={"Authorization": "Bearer tok-globex"})
+    assert other.status_code == 404
+
+
+def test_submit_over_http_refuses_exactly_what_the_client_refuses(http, client, worker, spec) -> None:
+    from orchestrator import SpecError
+
+    def listed() -> set[str]:
+        return {row["run_id"] for row in client.list(1000, "acme")}
+
+    before = listed()
+    bad_specs = [
+        spec([{"content": "x"}], max_iterations=0, colour="blue"),  # a bad value, an unknown field
+        {"model": "openai/x"},  # no prompt
+        spec([{"content": "x"}], tools=["no_such_tool"]),  # checked against the live catalog
+    ]
+    for bad in bad_specs:
+        with pytest.raises(SpecError) as refused:
+            client.submit(bad)
+        reply = http.post("/api/runs", json=bad)
+        assert reply.status_code == 422, reply.text
+        assert [d["msg"] for d in reply.json()["detail"]] == refused.value.errors
+        assert all(d["type"] == "spec_refused" for d in reply.json()["detail"])
+    first = http.post("/api/runs", json=bad_specs[0]).json()["detail"]
+    assert {tuple(d["loc"]) for d in first} == {("body", "max_iterations"), ("body", "colour")}
+    # not a JSON object at all: FastAPI's own 422
+    assert http.post("/api/runs", json=["prompt"]).status_code == 422
+    broken = http.post("/api/runs", content=b"{", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 422
+    # another tenant's name in the spec is refused, the token's own is accepted
+    reply = http.post("/api/runs", json=spec([{"content": "x"}], tenant="globex"))
+    assert reply.status_code == 422 and "acme" in reply.json()["detail"][0]["msg"]
+    assert reply.json()["detail"][0]["loc"] == ["body", "tenant"]
+    assert listed() == before  # nothing written for any refused spec
+    reply = http.post("/api/runs", json=spec([{"content": "ok"}], tenant="acme"))
+    assert reply.status_code == 201
+    assert client.get(reply.json()["run_id"]).wait(timeout=30).content == "ok"
+
+
+def test_submit_over_http_takes_a_sandbox_root_only_inside_the_operators_roots(http, client, worker, spec,
+                                                                               tmp_path) -> None:  # fmt: skip
+    import os
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    refused = http.post("/api/runs", json=spec([{"content": "x"}], context={"sandbox_root": str(outside)}))
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["loc"] == ["body", "context", "sandbox_root"]
+    assert not any(outside.iterdir())  # nothing created there
+    inside = os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], f"api-{tmp_path.name}")
+    accepted = http.post("/api/runs", json=spec([{"content": "ok"}], context={"sandbox_root": inside}))
+    assert accepted.status_code == 201, accepted.text
+    assert client.get(accepted.json()["run_id"]).wait(timeout=30).content == "ok"
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -270,6 +348,69 @@ def test_abort_over_http_ends_the_run_at_once(http, client, worker, spec, model_
     assert http.get(f"/api/runs/{handle.run_id}").json()["tool_calls"] == []
     assert len(model_server.calls(s["model"])) == 1
     assert http.post(f"/api/runs/{handle.run_id}/abort").status_code == 409
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def test_metrics_page_shows_the_fleet_and_the_apis_own_counts(http, api_server, client, worker, spec,
+                                                               model_server, holds) -> None:  # fmt: skip
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict:
+        page = httpx.get(api_server.base_url + "/metrics")  # no token needed
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(page.text) for s in f.samples}  # fmt: skip
+
+    aborted = ("tooloop_runs_ended_total", (("exit", "aborted"), ("status", "aborted")))
+    before = samples()
+    assert before[("tooloop_redis_up", ())] == 1
+    prefix = client.store.keys.prefix
+    assert (("tooloop_queue_depth", (("queue", f"{prefix}.turns"),))) in before
+    gate = hold(holds)
+    s = spec([add_call(hold=gate), {"content": "never"}], tools=["add"], tenant="acme")
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))
+    assert samples()[("tooloop_live_runs", ())] >= 1
+    assert http.post(f"/api/runs/{handle.run_id}/abort").status_code == 200
+    assert samples().get(aborted, 0) == before.get(aborted, 0) + 1  # counted once, by the API
+    gate.set()
+
+
+def test_health_and_metrics_say_when_redis_is_away() -> None:
+    """/api/health (the API pod's readiness) answers 503 while Redis is away, and 200 again when it
+    is back; /metrics still answers, with tooloop_redis_up 0."""
+    import uvicorn
+
+    from orchestrator.api import create_app
+    from orchestrator.settings import Settings
+    from tests.conftest import start_redis
+
+    redis_port = free_port()
+    redis_proc = start_redis(redis_port)
+    app = create_app(Settings(api_tokens=TOKENS, redis_url=f"redis://127.0.0.1:{redis_port}/0"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: server.started, timeout=10)
+        assert httpx.get(base + "/api/health", timeout=10).status_code == 200
+        redis_proc.terminate()
+        redis_proc.wait(10)
+        away = httpx.get(base + "/api/health", timeout=30)
+        assert away.status_code == 503 and away.json()["detail"] == "Redis unreachable"
+        page = httpx.get(base + "/metrics", timeout=30)
+        assert page.status_code == 200 and "tooloop_redis_up 0.0" in page.text
+        redis_proc = start_redis(redis_port)
+        assert wait_for(lambda: httpx.get(base + "/api/health", timeout=10).status_code == 200, timeout=30)
+        assert "tooloop_redis_up 1.0" in httpx.get(base + "/metrics", timeout=10).text
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        redis_proc.terminate()
+        redis_proc.wait(10)
 
 
 # -- the command -------------------------------------------------------------------------------------

@@ -340,13 +340,15 @@ def _answers(url: str) -> bool:
 
 
 def test_control_and_status_commands_do_not_import_litellm() -> None:
-    """The CLI starts fast: litellm (~6 s, ~150 MB), FastAPI and the Celery worker stay out."""
+    """The CLI starts fast: litellm (~6 s, ~150 MB), FastAPI, the Celery worker, the tracing SDK,
+    its exporters and the Prometheus client stay out."""
     probe = ("import sys\n"
              "from orchestrator.cli import app\n"
              "from typer.testing import CliRunner\n"
              "for args in (['status', 'nope'], ['pause', 'nope'], ['steer', 'nope', 'x'], ['list']):\n"
              "    CliRunner().invoke(app, args)\n"
-             "heavy = ('litellm', 'fastapi', 'worker.turn', 'openai')\n"
+             "heavy = ('litellm', 'fastapi', 'worker.turn', 'openai', 'opentelemetry.sdk.trace',\n"
+             "         'opentelemetry.exporter', 'grpc', 'prometheus_client')\n"
              "print(sorted(m for m in heavy if m in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -80,10 +80,12 @@ def test_pause_parks_between_steps_and_resume_continues(client, worker, spec, mo
     assert [r.output for r in result.tool_calls] == [3]
 
 
-def test_pause_at_turn_boundary_then_resume(client, worker, spec, model_server):
+def test_pause_at_turn_boundary_then_resume(client, worker, spec, model_server, store):
     s = spec([tools(call("sleepy", {"seconds": 1.0})), {"content": "done"}], tools=["sleepy"])
     handle = client.submit(s)
     wait_for(lambda: handle.result().iterations == 1)
+    # pause once the call has started (a call not started yet would wait for the resume)
+    wait_for(lambda: (store.redis.hget(store.keys.call_state(handle.run_id), "1.0") or b"x")[:1] in b"sd")
     handle.pause()
     wait_for(lambda: handle.result().tool_calls)  # the started call finishes...
     time.sleep(0.5)

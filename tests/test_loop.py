@@ -84,7 +84,8 @@ def test_model_error_ends_on_error(client, worker, spec, status, error_type):
 
 def test_unreachable_model_is_an_error(client, worker):
     result = run(client, {"prompt": "x", "model": "openai/none",
-                          "model_params": {"api_base": "http://127.0.0.1:9/v1", "max_retries": 0}})
+                          "model_params": {"api_base": "http://127.0.0.1:9/v1", "api_key": "sk-own",
+                                           "max_retries": 0}})  # fmt: skip
     assert (result.exit, result.status) == ("error", Status.failed)
     assert result.error_type and "onnect" in result.error  # litellm's wording of a refused connection
 
@@ -149,8 +150,12 @@ def test_outputs_keep_their_json_type_or_become_str(client, worker, spec):
     assert result.tool_calls[0].output == "{1, 2}"
 
 
-def test_context_is_injected_and_hidden_from_the_model(client, worker, spec, model_server, tmp_path):
-    folder = tmp_path / "given"
+def test_context_is_injected_and_hidden_from_the_model(client, worker, spec, model_server):
+    import os
+    import uuid
+    from pathlib import Path
+
+    folder = Path(os.environ["TOOLOOP_SANDBOX_ALLOW"], f"given-{uuid.uuid4().hex[:6]}")  # an allowed root
     s = spec([tools(call("where")), {"content": "ok"}], tools=["where"],
              context={"sandbox_root": str(folder), "resource_bindings": {"db": "postgres://x"}})  # fmt: skip
     result = run(client, s)
@@ -176,10 +181,9 @@ def test_tool_processes_never_import_litellm(client, worker, spec):
 
 
 # -- refusal and catalog ---------------------------------------------------------------
-def _footprint(store) -> tuple[int, int]:
+def _footprint(stack, store) -> tuple[int, int]:
     keys = sum(1 for _ in store.redis.scan_iter(f"{store.keys.prefix}:run:*", count=1000))
-    queued = store.redis.llen(store.keys.broker_prefix + store.keys.turn_queue)
-    return keys, queued
+    return keys, stack.queued(store.keys.turn_queue)
 
 
 @pytest.mark.parametrize(
@@ -194,12 +198,12 @@ def _footprint(store) -> tuple[int, int]:
         ({"tools": ["no_such_tool"]}, "tools"),
     ],
 )
-def test_bad_spec_is_refused_and_nothing_is_written(client, worker, spec, store, fields, named):
-    before = _footprint(store)
+def test_bad_spec_is_refused_and_nothing_is_written(client, worker, spec, store, stack, fields, named):
+    before = _footprint(stack, store)
     with pytest.raises(SpecError) as err:
         client.submit({**spec([{"content": "x"}]), **fields})
     assert named in str(err.value)
-    assert _footprint(store) == before
+    assert _footprint(stack, store) == before
 
 
 def test_literal_api_key_is_sealed_at_rest(client, worker, spec, store):

@@ -10,12 +10,16 @@ driven by the scripted model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
+import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,13 +33,16 @@ import pytest
 
 from orchestrator import Client
 from orchestrator.models import SandboxPolicy
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, get_settings
+from orchestrator.validation import SpecError
 from tests import hostile_tools as hostile
 from tests.conftest import ROOT, WorkerProcess
 from worker import builtins, sandbox
 from worker.sandbox import CallOutcome, SandboxContext, layers, run_call
 
 BWRAP = layers("auto")["bwrap"]
+KERNEL = sandbox.kernel.status()  # why Landlock / its TCP rules / seccomp are off ("" when on)
+LANDLOCK, LANDLOCK_NET, SECCOMP = (not KERNEL[k] for k in ("landlock", "landlock_net", "seccomp"))
 NO_BWRAP = "bubblewrap does not work on this host: " + sandbox.host._host(probe=True).bwrap_error
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="per-call uids and RLIMIT_NPROC need a root worker")
@@ -113,10 +120,17 @@ class Layer:
         return outcome.output
 
     def fails(self, fn: Callable[..., Any], **kwargs: Any) -> str:
+        """The attempt started inside the sandbox (the tool ran) and was refused: a call that
+        could not even start (``SandboxError``) does not count as contained."""
         outcome = self.call(fn, **kwargs)
         assert not outcome.ok, f"{self.name}: the attempt succeeded: {outcome.output!r}"
-        assert outcome.error
+        assert outcome.error and not outcome.error.startswith("SandboxError"), outcome.error
         return outcome.error
+
+
+def started(outcome: CallOutcome) -> bool:
+    """The tool ran (whatever it then returned or raised): not refused before it started."""
+    return outcome.ok or not (outcome.error or "SandboxError").startswith("SandboxError")
 
 
 @pytest.fixture(params=[("fork", "basic", False), ("exec", "basic", True), ("bwrap", "bwrap", True)],
@@ -136,13 +150,42 @@ def bwrap_layer() -> Layer:
 
 
 # -- the run folder works ---------------------------------------------------------------
+def test_the_first_calls_of_a_run_in_parallel_all_get_its_temp_folder(tmp_path: Path) -> None:
+    """Each call makes the run's temp folder if it is missing: the first calls of a run,
+    in several pool processes at once, raced between looking and making ("File exists"
+    refused all but one: seen in a clean CI run). 8 processes x 40 new folders."""
+    folders = [tmp_path / f"run-{n}" for n in range(40)]
+    for folder in folders:
+        folder.mkdir()
+    children, (go_r, go_w) = [], os.pipe()
+    for _ in range(8):
+        pid = os.fork()
+        if pid == 0:  # each child makes every folder's .tmp, racing its siblings
+            code = 0
+            try:
+                os.close(go_w)
+                os.read(go_r, 1)  # all start together: when the parent closes its end
+                for folder in folders:
+                    sandbox.folders.make_tmp(str(folder), None)
+            except BaseException:
+                code = 1
+            os._exit(code)
+        children.append(pid)
+    os.close(go_r)
+    os.close(go_w)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    assert codes == [0] * 8
+    assert all((folder / ".tmp").is_dir() for folder in folders)
+
+
 def test_the_run_folder_works_and_is_shared_by_the_calls_of_a_run(layer: Layer) -> None:
     run = new_run()
     assert layer.ok(hostile.append_text, run=run, name="log.txt", text="one ") == "one "
     assert layer.ok(hostile.append_text, run=run, name="log.txt", text="two") == "one two"
     assert layer.ok(builtins.write_file, run=run, path="sub/a.txt", content="héllo", sandbox_root=run) == 5
     assert layer.ok(builtins.read_file, run=run, path="sub/a.txt", sandbox_root=run) == "héllo"
-    assert layer.ok(builtins.list_dir, run=run, sandbox_root=run) == ["log.txt", "sub/"]
+    tmp = [] if layer.bwrap else [".tmp/"]  # the run's own TMPDIR outside bwrap
+    assert layer.ok(builtins.list_dir, run=run, sandbox_root=run) == [*tmp, "log.txt", "sub/"]
     out = layer.ok(builtins.shell, run=run, command="cat sub/a.txt log.txt && pwd", sandbox_root=run)
     assert out == {"exit_code": 0, "stdout": f"hélloone two{os.path.realpath(run)}\n", "stderr": ""}
     assert Path(run, "log.txt").read_text() == "one two"  # on the host, where the worker reads it
@@ -163,8 +206,29 @@ def test_each_call_has_its_own_uid_in_the_runs_group(layer: Layer) -> None:
         limits = ident["limits"]
         assert limits["RLIMIT_CPU"][0] < limits["RLIMIT_CPU"][1]
         assert limits["RLIMIT_NPROC"] == [64, 64] and limits["RLIMIT_CORE"] == [0, 0]
-        assert limits["RLIMIT_NOFILE"] == [256, 256] and limits["RLIMIT_FSIZE"][0] == 256 << 20
+        assert limits["RLIMIT_NOFILE"][0] >= 256 and limits["RLIMIT_FSIZE"][0] == 256 << 20
     assert first["uid"] != second["uid"]
+
+
+@needs_root
+def test_uids_come_from_a_host_wide_counter_not_from_pids(layer: Layer) -> None:
+    """Issue 15 hole 6: with uid = UID_BASE + pid, a later call that got the same pid (maybe
+    another tenant's) inherited what the first left in /tmp or /dev/shm."""
+    run = new_run()
+    seen = [layer.ok(hostile.identity, run=run) for _ in range(3)]
+    uids = [s["uid"] for s in seen]
+    assert len(set(uids)) == 3
+    assert all(sandbox.UID_BASE < u < sandbox.UID_BASE + sandbox.UID_SPAN for u in uids)
+    if not layer.bwrap:  # (bwrap: pids of its own namespace)
+        assert all(s["uid"] != sandbox.UID_BASE + s["pid"] for s in seen), seen
+    env = layer.ok(hostile.environment, run=run)
+    if layer.bwrap:
+        assert env["TMPDIR"] == "/tmp"  # bwrap's private tmpfs
+    else:  # the run's own temp folder, not the host's /tmp
+        tmp = os.path.join(os.path.realpath(run), ".tmp")
+        assert env["TMPDIR"] == env["TMP"] == env["TEMP"] == tmp
+        assert os.stat(tmp).st_gid == os.stat(run).st_gid and oct(os.stat(tmp).st_mode & 0o7777) == "0o2770"
+        assert layer.ok(hostile.write_path, run=run, path=os.path.join(tmp, "t"), text="x") == "written"
 
 
 def test_layers_tell_the_truth(layer: Layer) -> None:
@@ -183,15 +247,21 @@ def test_writing_outside_the_run_folder_fails(layer: Layer) -> None:
         error = layer.fails(hostile.write_path, path=target, text="x")
         assert "Error" in error and not os.path.exists(target), error
     sibling = os.path.join(runs_root(), f"pwned-{uuid.uuid4().hex}")  # next to every run's folder
-    if IS_ROOT or layer.bwrap:  # not root and no bwrap: the call is the worker's user, who owns it
-        layer.call(hostile.write_path, path=sibling, text="x")  # under bwrap: into a tmpfs, maybe
-        assert not os.path.exists(sibling)
+    host_tmp = f"/tmp/tooloop-pwned-{uuid.uuid4().hex}"  # world-writable: only Landlock (or bwrap) stops it
+    if IS_ROOT or layer.bwrap or LANDLOCK:  # else the call is the worker's user, who owns the root
+        outcome = layer.call(hostile.write_path, path=sibling, text="x")  # under bwrap: into a tmpfs, maybe
+        assert started(outcome) and not os.path.exists(sibling), outcome
+    if layer.bwrap or LANDLOCK:
+        outcome = layer.call(hostile.write_path, path=host_tmp, text="x")
+        error = outcome.error or ""
+        assert started(outcome) and not os.path.exists(host_tmp), outcome
+        assert layer.bwrap or error.startswith("PermissionError"), error
     assert layer.ok(hostile.write_path, path="inside.txt", text="x") == "written"
 
 
 def test_other_runs_folders_are_out_of_reach(layer: Layer) -> None:
-    if not (IS_ROOT or layer.bwrap):
-        pytest.skip("a non-root worker without bwrap runs every call as its own user")
+    if not (IS_ROOT or layer.bwrap or LANDLOCK):
+        pytest.skip(f"a non-root worker without bwrap and Landlock runs every call as its own user: {KERNEL}")
     victim, attacker = new_run(), new_run()
     layer.ok(hostile.append_text, run=victim, name="secret.txt", text="s3cret")
     secret = os.path.join(victim, "secret.txt")
@@ -204,6 +274,37 @@ def test_other_runs_folders_are_out_of_reach(layer: Layer) -> None:
         assert layer.ok(hostile.list_path, run=attacker, path=runs_root()) == [os.path.basename(attacker)]
     else:  # the folder of all runs can be crossed, not listed
         layer.fails(hostile.list_path, run=attacker, path=runs_root())
+
+
+def test_landlock_alone_keeps_other_runs_out(layer: Layer, monkeypatch) -> None:
+    """A call without a uid of its own (a worker that is not root) can read whatever the
+    worker's user can: Landlock keeps the folders of all runs out of its reach. Shown here
+    on a neighbour left world-readable, so that nothing but Landlock stands in the way."""
+    if layer.bwrap or not LANDLOCK:
+        pytest.skip("bwrap hides other runs by its mounts" if layer.bwrap else KERNEL["landlock"])
+    victim, attacker = new_run(), new_run()
+    layer.ok(hostile.append_text, run=victim, name="secret.txt", text="s3cret")
+    secret = os.path.join(victim, "secret.txt")
+    os.chmod(victim, 0o2775)
+    os.chmod(secret, 0o644)
+    assert layer.ok(hostile.read_path, run=attacker, path=secret) == "s3cret"  # the control: readable
+    monkeypatch.setattr(sandbox.plan, "_hides_runs", lambda uid, layer: True)  # as on a non-root worker
+    assert layer.fails(hostile.read_path, run=attacker, path=secret).startswith("PermissionError")
+    assert layer.fails(hostile.list_path, run=attacker, path=victim).startswith("PermissionError")
+    layer.fails(hostile.write_path, run=attacker, path=os.path.join(victim, "planted.txt"), text="x")
+    assert not os.path.exists(os.path.join(victim, "planted.txt"))
+    other = os.path.join(allow_root(), f"proj-{uuid.uuid4().hex[:6]}")  # TOOLOOP_SANDBOX_ALLOW's too
+    os.makedirs(other)
+    Path(other, "notes.txt").write_text("theirs")
+    os.chmod(Path(other, "notes.txt"), 0o644)
+    assert layer.fails(hostile.read_path, run=attacker, path=os.path.join(other, "notes.txt"))
+    # What stays: the host's files, Python, its own folder.
+    hostname = Path("/etc/hostname").read_text()
+    assert layer.ok(hostile.read_path, run=attacker, path="/etc/hostname") == hostname
+    assert layer.ok(hostile.append_text, run=attacker, name="mine.txt", text="ok") == "ok"
+    command = "cat mine.txt; python3 -c 'print(6*7)'"
+    out = layer.ok(builtins.shell, run=attacker, sandbox_root=attacker, command=command)
+    assert out["stdout"] == "ok42\n", out
 
 
 def test_tmp_files_of_the_host_are_not_readable(layer: Layer) -> None:
@@ -239,6 +340,7 @@ def test_the_environment_holds_no_secret(layer: Layer) -> None:
     assert "OPENAI_API_KEY" not in env and not any(k.startswith("TOOLOOP_") for k in env)
     assert not any(s in v for v in env.values() for s in ("sk-test", "test-secret")), env
     block = layer.call(hostile.proc_environ)
+    assert started(block), block
     assert not block.ok or ("sk-test" not in block.output and "test-secret" not in block.output)
     shell = layer.ok(builtins.shell, command="env", sandbox_root=(run := new_run()), run=run)
     assert "sk-test" not in shell["stdout"] and "TOOLOOP_SECRET_KEY" not in shell["stdout"]
@@ -254,15 +356,72 @@ def test_inherited_connections_are_closed(layer: Layer) -> None:
     assert not [t for t in fds.values() if t.startswith("socket:")], fds
 
 
-def test_no_network_under_bwrap(bwrap_layer: Layer) -> None:
-    port = REDIS.port or 6379
-    bwrap_layer.fails(hostile.connect, host=REDIS.hostname, port=port)
-    allowed = SandboxPolicy(network=True)  # the control: the same call, network allowed
-    assert bwrap_layer.ok(hostile.connect, host=REDIS.hostname, port=port, policy=allowed) == "+PONG\r\n"
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A TCP server on a free loopback port that answers PING with +PONG (not Redis, not the
+    broker: the control that shows a call with network on really has it)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(64)
+                    conn.sendall(b"+PONG\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join(2)
+    server.close()
+
+
+NETWORK_CUT = ("PermissionError", "OSError: [Errno 101]")  # Landlock/seccomp EACCES; bwrap's empty netns
+
+
+def test_without_network_no_tcp_at_all(layer: Layer, listener: int) -> None:
+    if not (layer.bwrap or (LANDLOCK_NET and SECCOMP)):
+        pytest.skip(f"no layer here cuts the network outside bwrap: {KERNEL}")
+    for host, port in ((REDIS.hostname, REDIS.port or 6379), ("127.0.0.1", listener), ("127.0.0.1", 5672)):
+        error = layer.fails(hostile.connect, host=host, port=port)
+        assert error.startswith(NETWORK_CUT), error  # the tool ran, and its connect was refused
     run = new_run()
-    probe = f"bash -c 'echo PING > /dev/tcp/{REDIS.hostname}/{port}' && echo connected"
-    out = bwrap_layer.ok(builtins.shell, run=run, command=probe, sandbox_root=run)
-    assert out["exit_code"] != 0 and "connected" not in out["stdout"]
+    probe = f"bash -c 'echo PING > /dev/tcp/127.0.0.1/{listener}' && echo connected"
+    out = layer.ok(builtins.shell, run=run, command=probe, sandbox_root=run)
+    assert out["exit_code"] != 0 and "connected" not in out["stdout"], out
+    assert "Permission denied" in out["stderr"] or "unreachable" in out["stderr"], out
+
+
+def test_redis_and_the_broker_stay_out_of_reach_with_network_on(layer: Layer, listener: int,
+                                                                monkeypatch) -> None:  # fmt: skip
+    """Issue 15 hole 4: whatever its policy, a call never reaches Redis or the broker."""
+    if not LANDLOCK_NET:
+        policy = SandboxPolicy(network=True)
+        error = layer.fails(hostile.connect, host="127.0.0.1", port=listener, policy=policy)
+        assert "policy.network is on" in error  # refused before it starts: nothing else could stop it
+        return
+    monkeypatch.setenv("TOOLOOP_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")  # the broker: RabbitMQ
+    get_settings.cache_clear()
+    try:
+        policy = SandboxPolicy(network=True)
+        assert layer.ok(hostile.connect, host="127.0.0.1", port=listener, policy=policy) == "+PONG\r\n"
+        for host, port in ((REDIS.hostname, REDIS.port or 6379), ("127.0.0.1", 5672), ("::1", 5672)):
+            error = layer.fails(hostile.connect, host=host, port=port, policy=policy)
+            assert error.startswith("PermissionError") or "Errno 99" in error or "Errno 97" in error, error
+        run = new_run()
+        probe = f"bash -c 'echo PING > /dev/tcp/{REDIS.hostname}/{REDIS.port or 6379}' && echo connected"
+        out = layer.ok(builtins.shell, run=run, command=probe, sandbox_root=run, policy=policy)
+        assert "connected" not in out["stdout"] and "Permission denied" in out["stderr"], out
+    finally:
+        get_settings.cache_clear()
 
 
 # -- resources ---------------------------------------------------------------------------------
@@ -288,9 +447,51 @@ def test_cpu_time_is_limited(layer: Layer) -> None:
     assert time.monotonic() - started < 10
 
 
+def test_open_files_are_limited_however_many_the_worker_holds(layer: Layer) -> None:
+    """max_open_files counts what the call opens. The forked call keeps the worker's
+    descriptor numbers (on /dev/null): with a limit counted from zero, a worker holding
+    more than 256 left its calls nothing, not even Landlock's ruleset (EMFILE)."""
+    policy = SandboxPolicy(max_open_files=64)
+    for extra in (0, 400):  # a worker with few descriptors, then one with hundreds
+        opened = [os.open("/dev/null", os.O_RDONLY) for _ in range(extra)]
+        try:
+            got = layer.ok(hostile.open_until_refused, policy=policy)
+        finally:
+            for fd in opened:
+                os.close(fd)
+        assert got["error"] == "Too many open files" and 56 <= got["opened"] <= 68, (extra, got)
+
+
 def test_file_size_is_limited(layer: Layer) -> None:
     error = layer.fails(hostile.big_file, mb=3, policy=SandboxPolicy(max_file_mb=1))
     assert "File too large" in error, error
+
+
+def du(path: str) -> int:
+    return sandbox.quota.usage(path, 1 << 62)
+
+
+def test_the_run_folder_has_a_disk_quota(layer: Layer) -> None:
+    """Issue 15 item 7: RLIMIT_FSIZE bounds one file; the folder as a whole has a quota too."""
+    run, mb = new_run(), 1 << 20
+    policy = SandboxPolicy(max_disk_mb=8, max_file_mb=256)
+    error = layer.fails(hostile.big_file, run=run, mb=12, policy=policy)  # one file: at most what is left
+    assert "File too large" in error and du(run) <= 8 * mb + (1 << 16), (error, du(run))
+    os.unlink(os.path.join(run, "big.bin"))
+    started = time.monotonic()  # many files, slowly: the watch counts every second
+    error = layer.fails(hostile.fill_disk, run=run, files=40, mb=1, pause=0.1, policy=policy)
+    assert error.startswith("DiskQuota") and "8 MiB" in error, error
+    assert time.monotonic() - started < 8 and 8 * mb < du(run) < 24 * mb, du(run)  # (overshoot: one tick)
+    # Over its quota, a call can still read, list and delete, not grow a file.
+    error = layer.fails(hostile.append_text, run=run, name="more.txt", text="x", policy=policy)
+    assert "File too large" in error, error
+    assert "fill-0.bin" in layer.ok(builtins.list_dir, run=run, sandbox_root=run, policy=policy)
+    out = layer.ok(builtins.shell, run=run, sandbox_root=run, policy=policy, command="rm fill-* && echo ok")
+    assert out["stdout"] == "ok\n", out
+    assert layer.ok(hostile.append_text, run=run, name="more.txt", text="x", policy=policy) == "x"
+    if layer.bwrap:  # its private /tmp is memory: no larger than the quota
+        out = layer.ok(builtins.shell, run=run, sandbox_root=run, policy=policy, command="df -k /tmp|tail -1")
+        assert out["stdout"].split()[1] == str(8 * 1024), out
 
 
 # -- killing the whole tree ---------------------------------------------------------------------
@@ -370,6 +571,44 @@ def test_without_pidfd_the_watch_polls(layer: Layer, monkeypatch) -> None:
     assert gone(lambda: alive(mark))
 
 
+# -- the fork layer's copy of the worker's memory ----------------------------------------------------
+@pytest.fixture
+def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
+    """This process as a tool worker holding secrets: the sealing key (and its Fernet objects),
+    a Redis URL with a password (the store's client, the Celery app's broker and backend)."""
+    from orchestrator import secrets as sealing
+    from worker import app as worker_app
+
+    password, key = f"hunter2-{uuid.uuid4().hex[:6]}", f"sealing-{uuid.uuid4().hex[:6]}"
+    url = f"redis://:{password}@127.0.0.1:6390/0"
+    monkeypatch.setenv("TOOLOOP_SECRET_KEY", key)
+    monkeypatch.setenv("TOOLOOP_REDIS_URL", url)
+    get_settings.cache_clear()
+    worker_app.get_store.cache_clear()
+    monkeypatch.setattr(worker_app.app, "tooloop_settings", get_settings())
+    for name in ("broker_url", "result_backend"):
+        monkeypatch.setitem(worker_app.app.conf, name, url)
+    worker_app.get_store()
+    sealing.seal("x", tenant="t")
+    try:
+        yield password, key
+    finally:
+        get_settings.cache_clear()
+        worker_app.get_store.cache_clear()
+        sealing._fernet.cache_clear()
+
+
+def test_a_forked_call_finds_none_of_the_workers_secrets(layer: Layer, worker_holding_secrets) -> None:
+    """Issue 15 item 7: a forked call is a copy of the worker's heap; before the tool runs it
+    drops the worker's settings, clients and keys (the bytes may linger: docs/sandbox.md)."""
+    password, key = worker_holding_secrets
+    here = hostile.worker_secrets()  # the control: in the worker, the hunt finds them
+    assert password in here["text"] and key in here["text"] and here["fernets"] >= 1
+    found = layer.ok(hostile.worker_secrets)
+    assert password not in found["text"] and key not in found["text"], found["text"][-3000:]
+    assert found["fernets"] == 0
+
+
 # -- built-in tools: escapes through paths --------------------------------------------------------
 def test_file_tools_refuse_dotdot_absolute_and_symlink_escapes(layer: Layer) -> None:
     run = new_run()
@@ -392,7 +631,7 @@ def test_file_tools_refuse_dotdot_absolute_and_symlink_escapes(layer: Layer) -> 
     assert not os.path.exists(os.path.join(runs_root(), "evil.txt"))
     assert layer.ok(builtins.write_file, run=run, sandbox_root=run, path="d/../ok.txt", content="x") == 1
     assert layer.ok(builtins.read_file, run=run, sandbox_root=run, path=f"{run}/ok.txt") == "x"
-    listing = layer.ok(builtins.list_dir, run=run, sandbox_root=run)
+    listing = [n for n in layer.ok(builtins.list_dir, run=run, sandbox_root=run) if n != ".tmp/"]
     assert listing == ["d/", "ok.txt", "pw", "rootlink", "up"]
 
 
@@ -434,6 +673,82 @@ def test_shell_command_allowlist(layer: Layer) -> None:
     error = layer.fails(builtins.shell, run=run, command="rm -rf .", sandbox_root=run, policy=policy)
     assert error.startswith("CommandRefused") and "'rm'" in error
     layer.fails(builtins.shell, run=run, command="/bin/sh -c id", sandbox_root=run, policy=policy)
+
+
+# Issue 15, hole 5: each of these ran a command the allowlist did not name (checked below with
+# the allowlist off: the same command line, run by /bin/sh, does create its marker file).
+SHELL_ESCAPES = [
+    (["find"], "find . -maxdepth 0 -exec touch {mark} ;"),
+    (["find"], "find . -maxdepth 0 -execdir touch {mark} ;"),
+    (["sed"], "sed -n '1e touch {mark}' notes.txt"),
+    (["sed"], "sed -n 's/.*/touch {mark}/e' notes.txt"),
+    (["sed"], "sed -n --expression='1e touch {mark}' notes.txt"),
+    (["tar"], "tar -xf a.tar --to-command='touch {mark}'"),
+    (["tar"], "tar -xf a.tar --to-c='touch {mark}'"),
+    (["tar"], "tar -xf a.tar --use-compress-program='sh -c \"touch {mark}\"'"),
+    (["tar"], "tar -I 'sh -c \"touch {mark}\"' -xf a.tar"),
+    (["tar"], "tar -xf a.tar --checkpoint=1 --checkpoint-action=exec='touch {mark}'"),
+    (["awk"], "awk 'BEGIN {{ system(\"touch {mark}\") }}'"),
+    (["awk"], "awk 'BEGIN {{ print \"x\" | \"touch {mark}\" }}'"),
+    (["env"], "env touch {mark}"),
+    (["xargs"], "xargs -a notes.txt touch {mark}"),
+    (["make"], "make -f Makefile"),
+    (["python3"], "python3 -c 'open(\"{mark}\", \"w\")'"),
+    (["git"], "git -c core.fsmonitor='touch {mark}' status"),
+    (["git"], "git status"),  # .git/config sets core.fsmonitor (written with write_file)
+]
+
+
+def shell_setup(layer: Layer, run: str, mark: str) -> None:
+    setup = (f"echo hello > notes.txt && tar -cf a.tar notes.txt"
+             f" && printf 'all:\\n\\ttouch {mark}\\n' > Makefile && git init -q ."
+             f" && printf '[core]\\n\\tfsmonitor = touch {mark}\\n' >> .git/config && echo ok")
+    assert layer.ok(builtins.shell, run=run, command=setup, sandbox_root=run)["stdout"] == "ok\n"
+
+
+@pytest.mark.parametrize("allowed,command", SHELL_ESCAPES,
+                         ids=[c.split()[0] + str(i) for i, (_, c) in enumerate(SHELL_ESCAPES)])  # fmt: skip
+def test_the_shell_allowlist_refuses_executing_options(layer: Layer, allowed: list, command: str) -> None:
+    run, mark = new_run(), f"pwned-{uuid.uuid4().hex[:6]}"
+    shell_setup(layer, run, mark)
+    line = command.format(mark=mark)
+    as_words = shlex.join(shlex.split(line))  # what the allowlist runs, through sh: same argv
+    if as_words.startswith("git "):  # each call has its own uid: git wants the repo declared safe
+        as_words = "git -c safe.directory='*' " + as_words[4:]
+    loose = layer.ok(builtins.shell, run=run, command=as_words, sandbox_root=run)  # no allowlist: it runs
+    assert os.path.exists(os.path.join(run, mark)), (line, loose)  # the escape is real
+    os.unlink(os.path.join(run, mark))
+    policy = SandboxPolicy(allowed_commands=allowed)
+    outcome = layer.call(builtins.shell, run=run, command=line, sandbox_root=run, policy=policy)
+    refused = (outcome.error or "").startswith("CommandRefused") or (  # or GNU's own --sandbox refused it
+        outcome.ok and outcome.output["exit_code"] != 0 and "sandbox mode" in outcome.output["stderr"])
+    assert refused, (line, outcome)
+    assert not os.path.exists(os.path.join(run, mark)), line
+
+
+def test_the_shell_allowlist_still_runs_plain_commands(layer: Layer, monkeypatch) -> None:
+    run, mark = new_run(), f"pwned-{uuid.uuid4().hex[:6]}"
+    shell_setup(layer, run, mark)
+    os.unlink(os.path.join(run, ".git", "config"))
+    assert layer.ok(builtins.shell, run=run, command="git init -q .", sandbox_root=run)["exit_code"] == 0
+    with open(os.path.join(run, ".gitconfig"), "w") as f:  # HOME is the run's folder: ignored
+        f.write(f"[core]\n\tfsmonitor = touch {mark}\n[alias]\n\tst = !touch {mark}\n")
+    policy = SandboxPolicy(allowed_commands=["find", "sed", "tar", "awk", "git", "env"])
+    plain = {"find . -name notes.txt": "./notes.txt\n", "sed -n 's/hello/bye/p' notes.txt": "bye\n",
+             "tar -tf a.tar": "notes.txt\n", "awk '{ print $1 }' notes.txt": "hello\n"}  # fmt: skip
+    for line, stdout in plain.items():
+        out = layer.ok(builtins.shell, run=run, command=line, sandbox_root=run, policy=policy)
+        assert out["stdout"] == stdout, (line, out)
+    out = layer.ok(builtins.shell, run=run, command="git status --short", sandbox_root=run, policy=policy)
+    assert out["exit_code"] == 0 and "notes.txt" in out["stdout"], out
+    error = layer.fails(builtins.shell, run=run, command=f"git config core.fsmonitor 'touch {mark}'",
+                        sandbox_root=run, policy=policy)  # fmt: skip
+    assert error.startswith("CommandRefused") and "git config" in error
+    assert not os.path.exists(os.path.join(run, mark))
+    # The operator's opt-in (TOOLOOP_SHELL_EXECUTORS) lets a run's allowlist use env.
+    monkeypatch.setattr(sandbox.plan, "_shell_executors", lambda: ["env"])
+    out = layer.ok(builtins.shell, run=run, command=f"env touch {mark}", sandbox_root=run, policy=policy)
+    assert out["exit_code"] == 0 and os.path.exists(os.path.join(run, mark))
 
 
 # -- refusals before any tool code runs ------------------------------------------------------------
@@ -517,7 +832,8 @@ def test_e2e_hostile_calls_are_contained_and_the_run_goes_on(sbx, spec) -> None:
     assert "sk-test" not in json.dumps(first["environment"].output)
     assert first["use_inherited_sockets"].output == []  # the pool process holds Redis sockets
     assert first["allocate"].error.startswith(("MemoryError", "Killed"))
-    assert later["read_file"].output == "hello" and later["list_dir"].output == ["notes.txt"]
+    assert later["read_file"].output == "hello"
+    assert [n for n in later["list_dir"].output if n != ".tmp/"] == ["notes.txt"]
     assert later["escape"].success and later["add"].output == 5
     assert gone(lambda: alive(mark))
 
@@ -566,10 +882,8 @@ def test_e2e_abort_kills_the_running_call(sbx, spec) -> None:
 
 
 def test_e2e_network_is_cut_for_strict_tools(sbx, spec) -> None:
-    if sbx.mode == "basic":
-        pytest.skip("TOOLOOP_SANDBOX=basic: no network namespace, by design (docs/sandbox.md)")
-    if not BWRAP:
-        pytest.skip(NO_BWRAP)
+    if not ((sbx.mode == "auto" and BWRAP) or (LANDLOCK_NET and SECCOMP)):
+        pytest.skip(f"neither bubblewrap nor Landlock+seccomp here: {NO_BWRAP}; {KERNEL}")
     port = REDIS.port or 6379
     probe = f"bash -c 'echo PING > /dev/tcp/{REDIS.hostname}/{port}' && echo connected"
     steps = [{"tool_calls": [tool_call("shell", command=probe),
@@ -577,8 +891,11 @@ def test_e2e_network_is_cut_for_strict_tools(sbx, spec) -> None:
              {"content": "done"}]  # fmt: skip
     result = sbx.client.submit(spec(steps, tools=["shell", "connect_strict"])).wait(timeout=60)
     calls = records(result)
-    assert "connected" not in calls["shell"].output["stdout"]
-    assert not calls["connect_strict"].success
+    shell = calls["shell"].output
+    assert "connected" not in shell["stdout"], shell
+    assert "Permission denied" in shell["stderr"] or "unreachable" in shell["stderr"], shell  # it ran
+    error = calls["connect_strict"].error or ""
+    assert error.startswith(NETWORK_CUT), error  # the tool ran; its connect was refused
 
 
 def test_e2e_doctor_tells_which_layers_are_on(sbx) -> None:
@@ -589,18 +906,35 @@ def test_e2e_doctor_tells_which_layers_are_on(sbx) -> None:
     tools = next(w for name, w in workers.items() if name.startswith("tools@"))
     assert tools["sandbox"]["bwrap"] is (sbx.mode == "auto" and BWRAP)
     assert tools["sandbox"]["setuid"] is IS_ROOT and tools["sandbox"]["rlimits"] is True
+    for layer in ("landlock", "landlock_net", "seccomp"):  # live, or off with the reason
+        assert tools["sandbox"][layer] is (not KERNEL[layer])
+        assert tools["sandbox_off"].get(layer, "") == KERNEL[layer]
+    if sbx.mode == "basic":
+        assert tools["sandbox_off"]["bwrap"] == "not probed: TOOLOOP_SANDBOX=basic"
+    plain = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60, check=False).stdout  # fmt: skip
+    assert "landlock" in plain and "seccomp" in plain
+    assert ("bwrap off" in plain) is not tools["sandbox"]["bwrap"]  # basic, or no namespaces here
+    from orchestrator.doctor import sandbox_report  # what /api/health shows
+
+    health = sandbox_report(sbx.client.store)
+    live = next(w for name, w in health.items() if name.startswith("tools@"))
+    assert ("seccomp" in live["live"]) is SECCOMP and ("landlock" in live["live"]) is LANDLOCK
 
 
 @needs_root
 def test_the_folder_of_all_runs_cannot_be_listed(tmp_path: Path) -> None:
+    for folder in (tmp_path.parent.parent, tmp_path.parent, tmp_path):  # searchable, as /tmp is
+        folder.chmod(folder.stat().st_mode | 0o001)
     root = tmp_path / "runs"
     root.mkdir(mode=0o755)  # as `mkdir -p` in an image makes it
-    layer = Layer("fork", "basic", False)
     ctx = SandboxContext(str(root / "r1"), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic")
     assert run_call(hostile.identity, {}, ctx).ok
     assert oct(root.stat().st_mode & 0o777) == "0o711"
-    error = layer.fails(hostile.list_path, path=str(root), run=str(root / "r2"))
-    assert error.startswith("PermissionError")
+    ctx.workdir = str(root / "r2")
+    assert run_call(hostile.list_path, {"path": str(root / "r1")}, ctx).error.startswith("PermissionError")
+    error = run_call(hostile.list_path, {"path": str(root)}, ctx).error
+    assert error.startswith("PermissionError"), error
 
 
 @needs_root
@@ -609,7 +943,6 @@ def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None
     root.mkdir()
     os.chown(root, 12345, 12345)  # e.g. /tmp/tooloop made first by a local user
     ctx = SandboxContext(str(root / "r1"), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic")
-    assert sandbox.prepare_workdir(ctx.workdir, str(root)) == ctx.workdir  # never raises
     outcome = run_call(hostile.identity, {}, ctx)
     assert not outcome.ok and "belongs to uid 12345" in (outcome.error or "")
 
@@ -640,3 +973,179 @@ def test_e2e_each_call_gets_a_fresh_process_even_from_a_spare(sbx, spec) -> None
         os.kill(pid, 9)
     again = sbx.client.submit(spec(steps, tools=["identity"])).wait(timeout=60)
     assert again.status == "completed" and all(r.success for r in again.tool_calls)
+
+
+# -- issue 15: run folders only inside the operator's roots ---------------------------------------
+def allow_root() -> str:
+    return os.environ["TOOLOOP_SANDBOX_ALLOW"]
+
+
+def submit_unchecked(client: Client, spec_data: dict, run_id: str | None = None) -> Any:
+    """What a producer with Redis access can do: write and enqueue a run, skipping submit's checks."""
+    from orchestrator.models import RunSpec
+    from worker.app import enqueue_turn
+    from worker.steps import initial_messages
+
+    run_spec = RunSpec.model_validate(spec_data)
+    run_id = run_id or uuid.uuid4().hex
+    gen = client.store.create(run_id, run_spec, initial_messages(run_spec))
+    enqueue_turn(run_id, 1, gen, client.celery)
+    return client.get(run_id)
+
+
+def victim_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A root-owned 0700 folder holding a 0600 file: what a hostile spec points the sandbox at."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    secret = victim / "secret.txt"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    return victim, secret
+
+
+def unchanged(folder: Path, secret: Path) -> None:
+    st, sst = folder.stat(), secret.stat()
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == ("0o700", os.getuid(), os.getgid())
+    assert (oct(sst.st_mode & 0o7777), sst.st_uid, sst.st_gid) == ("0o600", os.getuid(), os.getgid())
+    assert secret.read_text() == "root only" and sorted(os.listdir(folder)) == ["secret.txt"]
+
+
+def test_submit_refuses_a_sandbox_root_outside_the_roots(client, worker, spec, tmp_path: Path) -> None:
+    victim, secret = victim_folder(tmp_path)
+    link = Path(runs_root(), f"link-{uuid.uuid4().hex[:6]}")
+    link.symlink_to(victim)  # inside the sandbox root by name, outside once resolved
+    before = len(client.list())
+    steps = [{"tool_calls": [tool_call("write_file", path="secret.txt", content="pwned")]}, {"content": "x"}]
+    for given in (str(victim), str(link), "/etc", runs_root(), allow_root(), "relative/path"):
+        with pytest.raises(SpecError) as refused:
+            client.submit(spec(steps, tools=["write_file"], context={"sandbox_root": given}))
+        assert "context.sandbox_root" in str(refused.value), given
+    assert len(client.list()) == before  # nothing written
+    unchanged(victim, secret)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec(steps, tools=["write_file"], context={"sandbox_root": str(victim)})))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(spec_file)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert proc.returncode == 2 and "context.sandbox_root" in proc.stderr, proc
+    inside_allowed = os.path.join(allow_root(), f"proj-{uuid.uuid4().hex[:6]}")
+    ok = client.submit(spec([{"content": "x"}], context={"sandbox_root": inside_allowed})).wait(timeout=60)
+    assert ok.status == "completed"
+
+
+def test_the_worker_refuses_a_foreign_sandbox_root_before_touching_it(client, worker, spec,
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    victim, secret = victim_folder(tmp_path)
+    steps = [{"tool_calls": [tool_call("write_file", path="secret.txt", content="pwned"),
+                             tool_call("append_line", text="x")]}, {"content": "done"}]  # fmt: skip
+    data = spec(steps, tools=["write_file", "append_line"], context={"sandbox_root": str(victim)})
+    result = submit_unchecked(client, data).wait(timeout=60)
+    calls = records(result)
+    for name in ("write_file", "append_line"):  # both ran into the worker's check, not into the tool
+        error = calls[name].error or ""
+        assert error.startswith("SandboxError") and "outside the sandbox roots" in error, error
+    unchanged(victim, secret)
+
+
+def test_a_folder_of_another_run_is_refused(client, worker, spec) -> None:
+    first = os.path.join(allow_root(), f"proj-{uuid.uuid4().hex[:6]}")
+    steps = [{"tool_calls": [tool_call("append_line", text="mine")]}, {"content": "done"}]
+    owner = client.submit(spec(steps, tools=["append_line"], context={"sandbox_root": first})).wait(60)
+    assert records(owner)["append_line"].output == 1
+    steps = [{"tool_calls": [tool_call("append_line", text="theirs")]}, {"content": "done"}]
+    for given in [os.path.join(runs_root(), owner.run_id), *([first] if IS_ROOT else [])]:
+        other = submit_unchecked(client, spec(steps, tools=["append_line"],
+                                              context={"sandbox_root": given})).wait(timeout=60)  # fmt: skip
+        error = records(other)["append_line"].error or ""
+        assert error.startswith("SandboxError") and "another run" in error, (given, error)
+    assert Path(first, "effects.txt").read_text() == "mine\n"
+
+
+def test_the_worker_accepts_only_a_direct_child_of_the_sandbox_root(tmp_path: Path) -> None:
+    """Hole 3, the worker's own defence: run ids like ``../victim`` or absolute paths."""
+    victim, secret = victim_folder(tmp_path)
+    root = tmp_path / "runs"
+    root.mkdir()
+    nested = root / "a" / "b"
+    attempts = [("../victim", root / ".." / "victim"), (str(victim), victim), ("a/b", nested),
+                ("ok", root / "ok" / "deeper"), ("other", root / "mine")]
+    for run_id, workdir in attempts:
+        ctx = SandboxContext(str(workdir), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic",
+                             run_id=run_id, allow=())  # fmt: skip
+        kwargs = {"path": "secret.txt", "content": "x", "sandbox_root": str(workdir)}
+        outcome = run_call(builtins.write_file, kwargs, ctx)
+        assert not outcome.ok and (outcome.error or "").startswith("SandboxError: run folder refused"), run_id
+    unchanged(victim, secret)
+    assert sorted(os.listdir(root)) == []  # nothing created, not even an intermediate folder
+
+
+@needs_root
+def test_nothing_above_an_allowed_root_is_changed(tmp_path: Path) -> None:
+    outer = tmp_path / "outer"
+    outer.mkdir(mode=0o700)
+    allowed = outer / "allowed"
+    allowed.mkdir(mode=0o700)
+    folder = allowed / "proj" / "run"
+    ctx = SandboxContext(str(folder), 5, SandboxPolicy(), sandbox_root=runs_root(), mode="basic",
+                         run_id="r1", allow=(str(allowed),))  # fmt: skip
+    assert run_call(hostile.append_text, {"name": "a.txt", "text": "x"}, ctx).output == "x"
+    assert oct(outer.stat().st_mode & 0o777) == "0o700" and oct(tmp_path.stat().st_mode & 0o777) == "0o700"
+    assert oct(folder.stat().st_mode & 0o7777) == "0o2770" and folder.stat().st_gid != 0
+    assert allowed.stat().st_gid == 0  # the allowed folder itself is the operator's: searchable, not given
+    ctx.workdir = str(allowed)  # the allowed root itself is never a run's folder
+    assert "run folder refused" in (run_call(hostile.identity, {}, ctx).error or "")
+
+
+@needs_root
+def test_a_wrapped_group_counter_skips_groups_in_use(tmp_path: Path, monkeypatch) -> None:
+    """Item 7: after 16.7 M runs the counter wraps; an old folder keeping its group is not shared."""
+    state = tmp_path / "state"
+    monkeypatch.setattr(sandbox.folders, "STATE_DIR", str(state))
+    sandbox.folders._state_dir.cache_clear()
+    root = tmp_path / "runs"
+    old = root / "old"
+    old.mkdir(parents=True)
+    try:
+        ctx = SandboxContext(str(old), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic", run_id="old")
+        assert run_call(hostile.identity, {}, ctx).ok
+        old_gid = old.stat().st_gid
+        assert old_gid == sandbox.constants.GID_BASE + 1
+        (state / "gid-counter").write_text(f"{sandbox.constants.GID_SPAN}\n")  # the last group: wraps next
+        new = SandboxContext(str(root / "new"), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic",
+                             run_id="new")  # fmt: skip
+        assert run_call(hostile.identity, {}, new).ok
+        assert (root / "new").stat().st_gid == old_gid + 1  # group 1 skipped: still in use by "old"
+        # An old folder whose group was handed to another run since is refused, not taken as is.
+        (state / "groups" / "1").write_text(json.dumps({"run": "newer", "folder": "/elsewhere"}))
+        sandbox.folders._prepared.clear()
+        outcome = run_call(hostile.identity, {}, ctx)
+        assert "belongs to another run" in (outcome.error or ""), outcome
+    finally:
+        sandbox.folders._state_dir.cache_clear()
+        sandbox.folders._prepared.clear()
+
+
+# -- issue 12: the hostile suite inside a Docker-default-like seccomp profile ---------------------
+@pytest.mark.timeout(1500)  # the suite again, inside the profile (~5 min)
+def test_the_hostile_suite_holds_under_docker_default_seccomp() -> None:
+    """The third configuration: no namespaces (bwrap cannot work), so fork and exec calls
+    rely on the always-layer plus Landlock and seccomp, which Docker's profile allows."""
+    if not IS_ROOT:
+        pytest.skip("the launcher cuts the capability bounding set as Docker does: needs root")
+    launcher = [sys.executable, "-m", "tests.docker_default", "--"]
+    probe = ("import json; from worker.sandbox import kernel, layers; print(json.dumps("
+             "[open('/proc/self/status').read(), kernel.status(), layers('auto')]))")  # fmt: skip
+    out = subprocess.run([*launcher, sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    status, kernel, inside = json.loads(out)
+    assert "Seccomp:\t2" in status and "CapEff:\t00000000a80425fb" in status  # Docker's filter and caps
+    assert kernel == {"landlock": "", "landlock_net": "", "seccomp": ""}, kernel
+    assert not inside["bwrap"] and inside["landlock"] and inside["seccomp"], inside
+    suite = [sys.executable, "-m", "pytest", "tests/test_sandbox.py", "-q", "-rs", "-p", "no:cacheprovider",
+             "-k", "not docker and not e2e_fork_bombs"]  # fmt: skip
+    proc = subprocess.run([*launcher, *suite], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.splitlines()[-1]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
+    assert counts.get("passed", 0) >= 100 and not counts.get("failed"), tail
+    assert "Creating new namespace failed: Operation not permitted" in proc.stdout, tail  # why bwrap is off

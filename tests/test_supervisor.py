@@ -37,8 +37,10 @@ def fired(store, run_id: str) -> list[tuple[str, str, str]]:
 
 
 def guidance(request: dict, text: str) -> list[dict]:
-    """System messages of a model request that carry ``text``."""
-    return [m for m in request["messages"] if m["role"] == "system" and text in (m["content"] or "")]
+    """Messages of a model request that carry ``text``, past the first user message (the
+    task): steers, of any source."""
+    later = request["messages"][2:]
+    return [m for m in later if m["role"] in ("system", "user") and text in (m["content"] or "")]
 
 
 def seen(request: dict, text: str) -> bool:
@@ -96,7 +98,9 @@ def test_tool_repeated_steer_fires_once_and_reaches_the_model(client, worker, sp
     requests = model_server.calls(s["model"])
     assert not any(seen(r, "Stop looking the same key up.") for r in requests[:3])
     assert len(guidance(requests[-1], "Stop looking the same key up.")) == 1  # once, not per turn
-    assert "Guidance from your operator" in guidance(requests[-1], "Stop looking")[0]["content"]
+    # a rule's message is the supervisor's, not the operator's: a user message marked as such
+    [steer] = guidance(requests[-1], "Stop looking")
+    assert steer == {"role": "user", "content": "[supervisor] Stop looking the same key up."}
 
 
 def test_budget_fraction_counts_this_turns_reply_then_pause_and_resume(client, worker, spec, store):
@@ -195,7 +199,7 @@ def test_judge_pass_sees_metadata_only(client, worker, spec, store, model_server
     assert brief["iteration"] == 2 and brief["tokens_used"] == 60
     assert brief["calls_by_tool"] == {"lookup": 2} and brief["recent_tools"] == ["lookup", "lookup"]
     assert "tools" not in request  # the judge gets no tool schemas either
-    assert not any(seen(r, "found a problem") for r in model_server.calls(s["model"]))
+    assert not any(seen(r, "found a problem") for r in model_server.calls(s["model"]))  # passed: no steer
 
 
 def test_judge_fail_steers_with_its_reason(client, worker, spec, store, model_server):
@@ -211,7 +215,10 @@ def test_judge_fail_steers_with_its_reason(client, worker, spec, store, model_se
     result = handle.wait(timeout=30)
     assert (result.status, result.content) == (Status.completed, "changed plan")
     last = model_server.calls(s["model"])[-1]
-    assert "found a problem" in guidance(last, reason)[0]["content"]
+    # the verdict is the judge's (a model's text): a user message marked [judge], never system
+    [steer] = guidance(last, reason)
+    assert steer["role"] == "user" and steer["content"].startswith("[judge] An automated judge")
+    assert "Guidance from your operator" not in json.dumps(last["messages"])
     events = sup_events(store, handle.run_id)
     assert ("judge", "steer", "failed") in {(e["rule"], e["action"], e["verdict"]) for e in events}
     controls = [e for _, e in store.read_events(handle.run_id, "0") if e["type"] == "control"]

@@ -41,6 +41,7 @@ def test_calls_from_messages_pairs_results_and_appends_this_turn():
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
         {"role": "tool", "tool_call_id": "c2", "content": "Error: boom"},
         {"role": "system", "content": "Guidance from your operator ..."},
+        {"role": "user", "content": "[judge] An automated judge ... found a problem: ..."},
     ]  # fmt: skip
     calls = sv.calls_from_messages(messages, [("add", '{"a":1,"b":2}')])
     assert calls == (
@@ -242,3 +243,14 @@ def test_judge_literal_api_key_is_sealed_and_bad_error_policy_refused():
     with pytest.raises(ValidationError, match="on_judge_error"):
         JudgeSpec(model="m", on_judge_error="explode")
     assert JudgeSpec(model="m", model_params={"api_key_env": "K"}).on_judge_error == "ignore"
+
+
+def test_steers_are_marked_with_their_source():
+    """An operator's steer is a system message; a supervisor rule's or a judge's is a user
+    message marked as theirs, never passed off as the operator's."""
+    from orchestrator.store import steer_entry
+
+    operator = steer_entry("Be brief.")
+    assert operator["role"] == "system" and operator["content"].startswith("Guidance from your operator")
+    assert steer_entry("Be brief.", "judge") == {"role": "user", "content": "[judge] Be brief."}
+    assert steer_entry("Stop.", "supervisor") == {"role": "user", "content": "[supervisor] Stop."}

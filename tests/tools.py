@@ -83,8 +83,90 @@ def append_then_sleep(text: str, seconds: float, sandbox_root: str) -> int:
     return 1
 
 
+@tool
+def effect_where(text: str, seconds: float, sandbox_root: str) -> str:
+    """Append `text` to effects.txt (a non-idempotent effect), sleep, and say where it ran:
+    the worker's sandbox root (each host of tests/test_hosts.py has its own)."""
+    with open(os.path.join(sandbox_root, "effects.txt"), "a") as f:
+        f.write(text + "\n")
+    time.sleep(seconds)
+    return os.path.dirname(sandbox_root)
+
+
 @tool(idempotent=True)
 def slow_lookup(key: str, seconds: float) -> str:
     """Idempotent: sleep, then return the key upper-cased."""
     time.sleep(seconds)
     return key.upper()
+
+
+@tool
+def big_output(chars: int) -> str:
+    """Return a string of `chars` characters: HEAD, x's, TAIL."""
+    return "HEAD" + "x" * max(0, chars - 8) + "TAIL"
+
+
+@tool
+def big_rows(count: int) -> dict:
+    """Return an object holding `count` small rows."""
+    return {"rows": [{"id": i, "name": f"row {i}"} for i in range(count)], "count": count}
+
+
+LEAKED = {
+    "api_key": "sk-live-4f9a8b7c6d5e4f3a2b1c",
+    "password": "hunter2hunter2",
+    "github": "ghp_0123456789abcdefghijABCDEFGHIJ",
+    "aws": "AKIAIOSFODNN7EXAMPLE",
+    "bearer": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+}
+
+
+@tool
+def leaky() -> dict:
+    """Return credentials, as a careless tool would."""
+    return {
+        "config": {"api_key": LEAKED["api_key"], "retries": 3},
+        "log": f"connecting with password={LEAKED['password']} and token {LEAKED['github']}",
+        "env": f"AWS_ACCESS_KEY_ID={LEAKED['aws']}\nAuthorization: Bearer {LEAKED['bearer']}",
+        "count": 3,
+    }
+
+
+@tool
+def secret_number() -> int:
+    """An int output stays an int after scrubbing."""
+    return 42
+
+
+@tool
+def fingerprint(text: str, seconds: float = 0) -> str:
+    """The SHA-256 of `text` (shows which text the tool received), after sleeping."""
+    import hashlib
+
+    time.sleep(seconds)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@tool(idempotent=True)
+def count(n: int, pad: int = 0) -> dict:
+    """Return n + 1, padded with `pad` characters (a tool output of some size)."""
+    return {"n": n + 1, "pad": "p" * pad}
+
+
+@tool(approval=True)
+def guarded_append(text: str, sandbox_root: str) -> int:
+    """Append a line to effects.txt, once a person approved the call."""
+    with open(os.path.join(sandbox_root, "effects.txt"), "a") as f:
+        f.write(text + "\n")
+    with open(os.path.join(sandbox_root, "effects.txt")) as f:
+        return sum(1 for _ in f)
+
+
+@tool(idempotent=True)
+def tagged_sleep(seconds: float, sandbox_root: str) -> int:
+    """Idempotent: mark the start (started-<pid>), sleep, mark the end; returns the pid."""
+    pid = os.getpid()
+    open(os.path.join(sandbox_root, f"started-{pid}"), "w").close()
+    time.sleep(seconds)
+    open(os.path.join(sandbox_root, f"done-{pid}"), "w").close()
+    return pid

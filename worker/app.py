@@ -9,11 +9,15 @@ Delivery settings, and why:
   its task ran, so one held by a dying worker is delivered again; duplicates are
   harmless because every step is fenced in Redis (see orchestrator/scripts.py).
 - prefetch multiplier 1: a worker holds no more messages than it has slots.
-- ``visibility_timeout`` far above any task's run time (tool_timeout_s is at most
-  hours): redelivery by the transport is a last resort; the lease sweeper
-  recovers lost steps within TOOLOOP_RECOVERY_S.
+- Redis broker: ``visibility_timeout`` far above any task's run time
+  (tool_timeout_s is at most hours): redelivery by the transport is a last
+  resort; the lease sweeper recovers lost steps within TOOLOOP_RECOVERY_S.
+- RabbitMQ broker: quorum queues, a delivery limit, a consumer timeout of the
+  same length, publisher confirms (see ``worker/broker.py``); a message held by
+  a lost consumer comes back at once, and the sweeper still covers the rest.
 - results ignored: the run store holds the outcome; storing task results costs
   ~1 ms CPU per task for nothing.
+- task events off unless TOOLOOP_TASK_EVENTS=1 or a monitor enables them (Flower does).
 """
 
 from __future__ import annotations
@@ -22,19 +26,32 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from celery import Celery
-from kombu import Queue
+from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
 
+from orchestrator.bounds import cut_text
+from orchestrator.connections import celery_urls
 from orchestrator.keys import Keys
+from orchestrator.scrub import install_log_filter, scrub_text
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
+from worker import broker
 
 log = logging.getLogger(__name__)
 
 TURN_TASK = "tooloop.turn"
 TOOL_TASK = "tooloop.tool"
-VISIBILITY_TIMEOUT_S = 6 * 3600
+VISIBILITY_TIMEOUT_S = broker.DELIVERY_TIMEOUT_S
+
+
+def _patch_redis_transport() -> None:
+    """Workarounds for kombu's Redis transport (not for AMQP: applied when the broker is Redis)."""
+    if getattr(kombu_redis.Channel, "_tooloop_patched", False):
+        return
+    kombu_redis.QoS.restore_unacked = _tolerate_lost_channel(kombu_redis.QoS.restore_unacked)
+    kombu_redis.QoS.ack = _tolerate_lost_channel(kombu_redis.QoS.ack)
+    kombu_redis.Channel._create_client = _client_per_channel
+    kombu_redis.Channel._tooloop_patched = True
 
 
 # kombu's Redis transport, after a Redis restart: restoring unacked messages when it
@@ -55,10 +72,6 @@ def _tolerate_lost_channel(method: Any) -> Any:
     return call
 
 
-kombu_redis.QoS.restore_unacked = _tolerate_lost_channel(kombu_redis.QoS.restore_unacked)
-kombu_redis.QoS.ack = _tolerate_lost_channel(kombu_redis.QoS.ack)
-
-
 # kombu's Redis transport builds a new redis.Redis client for every publish and every
 # ack; with redis-py 8 building one costs ~0.2 ms of CPU (it registers ~170 response
 # callbacks): a quarter of a busy turn process's CPU, measured with py-spy. A client
@@ -75,17 +88,15 @@ def _client_per_channel(self: Any, asynchronous: bool = False) -> Any:
     return client
 
 
-kombu_redis.Channel._create_client = _client_per_channel
-
-
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     keys = Keys(settings.key_prefix)
-    transport = {
-        "global_keyprefix": keys.broker_prefix,
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
-    }
-    app = Celery("tooloop", broker=settings.broker, backend=settings.redis_url)
+    urls = celery_urls(settings.redis_url, settings.broker_url)
+    backend_transport = {"global_keyprefix": keys.broker_prefix, "visibility_timeout": VISIBILITY_TIMEOUT_S,
+                         **urls.backend_transport}  # fmt: skip
+    if not broker.is_amqp(urls.broker):
+        _patch_redis_transport()
+    app = Celery("tooloop", broker=urls.broker, backend=urls.backend)
     app.conf.update(
         include=["worker.maintenance", "worker.turn", "worker.tool_task", "worker.supervision"],
         imports=["worker.builtins", *settings.tool_modules],
@@ -97,17 +108,18 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport,
-        result_backend_transport_options=transport,
+        result_backend_transport_options=backend_transport,
         broker_connection_retry_on_startup=True,
         # None would disable the pool: a new connection per publish (~8 ms each here).
         broker_pool_limit=256,
-        task_default_queue=keys.turn_queue,
         # Both queues declared: a plain `celery -A worker.app worker` serves turns and tools.
-        task_queues=[Queue(keys.turn_queue), Queue(keys.tool_queue)],
+        **broker.conf(keys, urls.broker, urls.broker_transport),
         task_routes={TURN_TASK: {"queue": keys.turn_queue}, TOOL_TASK: {"queue": keys.tool_queue}},
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Task events cost ~4 Redis PUBLISHes and a fifth of a worker's CPU per task:
+        # off until a monitor asks. Flower does (it broadcasts `enable_events` every 5 s,
+        # its default); TOOLOOP_TASK_EVENTS=1 keeps them on for monitors that don't.
+        worker_send_task_events=settings.task_events,
+        task_send_sent_event=settings.task_events,
         worker_hijack_root_logger=False,
         worker_soft_shutdown_timeout=10.0,
         worker_enable_soft_shutdown_on_idle=True,
@@ -129,22 +141,81 @@ def get_store() -> RunStore:
     return RunStore.from_settings(app.tooloop_settings)  # type: ignore[attr-defined]
 
 
-# Queues come from ``task_routes``, so they follow the app's key prefix.
-def enqueue_turn(run_id: str, iteration: int, celery_app: Celery | None = None) -> None:
-    (celery_app or app).send_task(
+# Each message carries its step's dispatch generation (see orchestrator/scripts.py): a
+# delivery of an older one is dropped. The task id names the generation too, so the
+# sweeper can tell whether a step's message still waits in its queue.
+def turn_task_id(run_id: str, iteration: int, gen: int) -> str:
+    return f"turn-{run_id}-{iteration}-{gen}"
+
+
+def call_task_id(payload: dict[str, Any], gen: int) -> str:
+    return f"tool-{payload['run_id']}-{payload['key']}-{gen}"
+
+
+def call_queue(keys: Keys, payload: dict[str, Any]) -> str:
+    """A call goes to its tool's own queue, consumed only by workers that have the tool;
+    one the spec does not allow goes to the shared queue (any worker says UnknownTool), and
+    so does a declared HTTP tool (any tool worker sends its request)."""
+    own = payload.get("allowed") and not (payload.get("http") or payload.get("http_tool"))
+    return keys.tool_queue_of(payload["tool"]) if own else keys.tool_queue
+
+
+def enqueue_turn(run_id: str, iteration: int, gen: int, celery_app: Celery | None = None,
+                 countdown: float | None = None) -> None:  # fmt: skip
+    celery_app = celery_app or app
+    celery_app.send_task(
         TURN_TASK,
-        args=(run_id, iteration),
-        task_id=f"turn-{run_id}-{iteration}",
+        args=(run_id, iteration, gen),
+        task_id=turn_task_id(run_id, iteration, gen),
+        queue=Keys(celery_app.tooloop_settings.key_prefix).turn_queue,
         ignore_result=True,
+        countdown=countdown,
     )
 
 
-def enqueue_call(payload: dict[str, Any], celery_app: Celery | None = None) -> None:
+def enqueue_call(payload: dict[str, Any], gen: int, celery_app: Celery | None = None) -> None:
+    """Send a stored call (worker/calls.py): the message names it, nothing more."""
+    from worker.calls import message
+
+    celery_app = celery_app or app
     hard_limit = payload["timeout_s"] + 60  # the sandbox cuts first; this is a backstop
-    (celery_app or app).send_task(
+    keys = Keys(celery_app.tooloop_settings.key_prefix)
+    queue = call_queue(keys, payload)
+    if queue not in celery_app.amqp.queues:  # a tool's own queue: declared like the shared ones
+        celery_app.amqp.queues.add(broker.tool_queue(keys, celery_app.conf.broker_url or "", payload["tool"]))
+    celery_app.send_task(
         TOOL_TASK,
-        args=(payload,),
-        task_id=f"tool-{payload['run_id']}-{payload['key']}",
+        args=(message(payload), gen),
+        task_id=call_task_id(payload, gen),
+        queue=queue,
         ignore_result=True,
         time_limit=hard_limit,
+        argsrepr=shown_args(payload),  # what Flower and task events show
     )
+
+
+def send(dispatch: Any, celery_app: Celery | None = None) -> None:
+    """Send one step message (an orchestrator.store.Dispatch)."""
+    if dispatch.payload is None:
+        enqueue_turn(dispatch.run_id, dispatch.iteration, dispatch.gen, celery_app)
+    else:
+        enqueue_call(dispatch.payload, dispatch.gen, celery_app)
+
+
+def shown_args(payload: dict[str, Any]) -> str:
+    """The call as monitors show it: which call, its tool and the model's arguments (sealed
+    when they hold a secret), secrets masked, the length bounded like Celery's own repr."""
+    from worker.calls import message
+
+    shown = {**message(payload), "arguments": payload.get("arguments")}
+    return cut_text(scrub_text(repr((shown,))), 1024)
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _scrub_logs(logger: logging.Logger, **_: Any) -> None:
+    """Every handler Celery sets up masks secrets in log lines (see orchestrator.scrub)."""
+    install_log_filter(logger, logging.getLogger())
+
+
+from worker import observe  # noqa: E402, F401  (its Celery signals stamp trace context on every message)

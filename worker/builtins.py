@@ -12,28 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import selectors
-import shlex
 import stat
 import subprocess
 import time
 
 from worker.registry import builtin_tool
+from worker.shell_policy import CommandRefused, allowlisted_argv
 
 MAX_OUTPUT_CHARS = 20_000  # per stream of `shell`, per file of `read_file`
 MAX_ENTRIES = 1_000  # per `list_dir`
 DRAIN_AFTER_EXIT_S = 0.2  # background jobs may hold the pipes open: stop reading then
-ALLOWED_COMMANDS_ENV = "TOOLOOP_ALLOWED_COMMANDS"  # set by the sandbox from the run's policy
 
 
 class PathEscape(ValueError):
     """A path resolves outside the run's folder."""
-
-
-class CommandRefused(ValueError):
-    """A shell command outside the run's command allowlist."""
 
 
 # -- paths ---------------------------------------------------------------------------
@@ -139,32 +133,24 @@ def shell(command: str, sandbox_root: str) -> dict:
     Args:
         command: the command line, run by /bin/sh
     """
+    argv, env = _argv(command, sandbox_root)
     proc = subprocess.Popen(
-        _argv(command), cwd=sandbox_root, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        argv, cwd=sandbox_root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, **env} if env else None,
     )  # fmt: skip
     stdout, stderr = _collect(proc)
     return {"exit_code": proc.returncode, "stdout": stdout, "stderr": stderr}
 
 
-def _argv(command: str) -> list[str]:
-    """``/bin/sh -c command``; with an allowlist, the command's words run without a shell
-    (no pipes, redirections, ``;`` or ``$(...)``: those would make the first word moot)."""
-    allowed = os.environ.get(ALLOWED_COMMANDS_ENV)
-    if allowed is None:
-        return ["/bin/sh", "-c", command]
-    allowed_names = json.loads(allowed)
-    try:
-        words = shlex.split(command)
-    except ValueError as exc:
-        raise CommandRefused(f"cannot parse the command: {exc}") from None
-    if not words or words[0] not in allowed_names:
-        first = words[0] if words else ""
-        raise CommandRefused(
-            f"{first!r} is not an allowed command (allowed: {', '.join(allowed_names) or 'none'}); "
-            "commands run without a shell: no pipes, redirections or variables"
-        )
-    return words
+def _argv(command: str, sandbox_root: str) -> tuple[list[str], dict[str, str]]:
+    """``/bin/sh -c command``; with the run's allowlist (``worker/shell_policy.py``), the
+    command's words run without a shell (no pipes, redirections, ``;`` or ``$(...)``:
+    those would make the first word moot), and never with an executing option."""
+    checked = allowlisted_argv(command, sandbox_root)
+    return checked if checked is not None else (["/bin/sh", "-c", command], {})
+
+
+__all__ = ["CommandRefused", "PathEscape", "list_dir", "read_file", "shell", "write_file"]
 
 
 class _Bounded:

@@ -1,14 +1,18 @@
 """``tooloop worker``: one Celery worker per pool, supervised as a unit.
 
-Model calls are slow I/O: turns run on threads pools with many slots (128 calls
-in flight by default), spread over up to one process per core because litellm
-spends ~5 ms of CPU per call under one GIL. Tool calls fork sandboxed children and need a
-process they can kill: tools run on a prefork pool. One Celery worker has one
-pool, so serving both queues means two Celery workers, started and stopped
-together. A pool that exits unexpectedly is restarted (its in-flight steps are
-recovered by the lease sweeper); a pool crash-looping more than MAX_RESTARTS
-times a minute stops the pair, and the launcher exits non-zero so a process
-supervisor (systemd, compose, Kubernetes) can take over.
+Model calls are slow I/O: a turn task hands its model call to the process's event
+loop and frees its thread (``worker/deferred.py``), so a turn process needs few
+threads (``TURN_THREADS``) but holds many unacked turn messages: ``-c`` for the
+turn pools is the number of model calls in flight (1024 by default), and each
+process's prefetch is sized to hold its share of them. Turns are spread over up
+to one process per core because litellm spends ~5 ms of CPU per call under one GIL.
+Tool calls fork sandboxed children and need a process they can kill: tools run
+on a prefork pool. One Celery worker has one pool, so serving both queues means
+two Celery workers, started and stopped together. A pool that exits unexpectedly
+is restarted (its in-flight steps are recovered by the lease sweeper); a pool
+crash-looping more than MAX_RESTARTS times a minute stops the pair, and the
+launcher exits non-zero so a process supervisor (systemd, compose, Kubernetes)
+can take over.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 
 from orchestrator.keys import Keys
 
-TURN_CONCURRENCY = 128  # model calls in flight per `tooloop worker`, over all turn processes
+TURN_CONCURRENCY = 1024  # model calls in flight per `tooloop worker`, over all turn processes
+TURN_THREADS = 8  # per turn process: each claims and prepares turns, then hands them to the loop
 TURN_PROCESSES = max(1, min(4, os.cpu_count() or 1))
 TOOL_CONCURRENCY = max(4, 2 * (os.cpu_count() or 1))
 
@@ -32,13 +37,15 @@ class PoolPlan:
     role: str  # "turns", "turns.2", ... | "tools": the node name is <role>@<name>
     queue: str
     pool: str
-    concurrency: int
+    concurrency: int  # pool threads or processes
+    prefetch: int = 1  # messages held per slot: a turn process holds its deferred turns' messages
 
     def command(self, name: str, loglevel: str) -> list[str]:
         quiet = ["--quiet"] if loglevel.lower() in ("warning", "error", "critical") else []
         return [
             sys.executable, "-m", "celery", "-A", "worker.app", *quiet, "worker",
             "-Q", self.queue, "-P", self.pool, "-c", str(self.concurrency),
+            "--prefetch-multiplier", str(self.prefetch),
             "-n", f"{self.role}@{name}", "-l", loglevel, "-O", "fair",
             "--without-gossip", "--without-mingle",
         ]  # fmt: skip
@@ -51,14 +58,21 @@ def plan(keys: Keys, queues: list[str], concurrency: int | None) -> list[PoolPla
         raise ValueError(f"unknown queue(s) {sorted(unknown)}: use turns, tools or both")
     plans = []
     if "turns" in wanted:
-        slots = concurrency or TURN_CONCURRENCY
-        processes = min(TURN_PROCESSES, slots)
-        for i in range(processes):
-            role = "turns" if i == 0 else f"turns.{i + 1}"
-            plans.append(PoolPlan(role, keys.turn_queue, "threads", -(-slots // processes)))
+        plans += turn_plans(keys, concurrency or TURN_CONCURRENCY)
     if "tools" in wanted:
         plans.append(PoolPlan("tools", keys.tool_queue, "prefork", concurrency or TOOL_CONCURRENCY))
     return plans
+
+
+def turn_plans(keys: Keys, in_flight: int) -> list[PoolPlan]:
+    """``in_flight`` model calls over up to TURN_PROCESSES processes: each has at most
+    TURN_THREADS threads and a prefetch that holds its share of unacked (deferred) turns."""
+    processes = min(TURN_PROCESSES, in_flight)
+    share = -(-in_flight // processes)
+    threads = min(TURN_THREADS, share)
+    prefetch = -(-share // threads)
+    return [PoolPlan("turns" if i == 0 else f"turns.{i + 1}", keys.turn_queue, "threads", threads, prefetch)
+            for i in range(processes)]  # fmt: skip
 
 
 MAX_RESTARTS = 5  # per RESTART_WINDOW_S, then give up and exit non-zero
@@ -119,11 +133,42 @@ class PoolKeeper:
         return next((c for c in codes if c), 0)
 
 
-def run(plans: list[PoolPlan], name: str, loglevel: str, tools: str | None) -> int:
+def run(plans: list[PoolPlan], name: str, loglevel: str, tools: str | None,
+        metrics_port: int | None = None) -> int:  # fmt: skip
     env = dict(os.environ)
     if tools:
         env["TOOLOOP_TOOLS"] = ",".join(filter(None, [env.get("TOOLOOP_TOOLS"), tools]))
+    if metrics_port is not None:  # before any pool starts: prometheus_client reads it at import
+        from orchestrator import metrics
+
+        env[metrics.MULTIPROC_ENV] = os.environ[metrics.MULTIPROC_ENV] = metrics.multiproc_dir(
+            env.get(metrics.MULTIPROC_ENV))
     keeper = PoolKeeper(plans, name, loglevel, env)
+    if metrics_port is not None:
+        serve_metrics(keeper, metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, keeper.forward)
     return keeper.watch()
+
+
+def serve_metrics(keeper: PoolKeeper, port: int) -> None:
+    """/metrics for every pool process; /healthz: each pool is running and registered in Redis."""
+    from orchestrator import metrics
+    from orchestrator.settings import get_settings
+    from orchestrator.store import RunStore
+
+    settings = get_settings()
+    store = RunStore.from_settings(settings)
+
+    def healthy() -> tuple[bool, str]:
+        dead = [p.role for p, c in zip(keeper.plans, keeper.children, strict=True) if c.poll() is not None]
+        if dead:
+            return False, f"pool(s) not running: {', '.join(dead)}"
+        try:
+            live = store.live_workers()
+        except Exception as exc:
+            return False, f"Redis unreachable: {exc}"
+        missing = [p.role for p in keeper.plans if f"{p.role}@{keeper.name}" not in live]
+        return (False, f"not registered yet: {', '.join(missing)}") if missing else (True, "ok")
+
+    metrics.serve(port, settings, healthy)

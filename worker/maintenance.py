@@ -1,7 +1,8 @@
 """Leases and liveness, inside the workers (nothing extra to deploy).
 
-- ``INFLIGHT``: the turns this process is executing; a heartbeat thread,
-  started on first use in each process, extends their leases.
+- ``INFLIGHT``: the turns this process is executing (on its threads or waiting
+  on its event loop); a heartbeat thread, started on first use in each process,
+  extends their leases.
   (Tool calls heartbeat from their own wait loop, see ``tool_task``.)
 - ``Maintenance``: one thread per worker that sweeps the lease index and
   re-enqueues the steps of runs whose worker was lost, aborts runs paused past
@@ -16,49 +17,92 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+import redis
 from celery import signals
 
-from orchestrator.keys import CATALOG_REFRESH_S
-from orchestrator.store import Recovery, RunStore
+from orchestrator import metrics
+from orchestrator.keys import CATALOG_REFRESH_S, SHARDS
+from orchestrator.models import Exit
+from orchestrator.store import Dispatch, Finish, Held, Recovery, RunStore
+from worker import broker
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
+             redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError)  # fmt: skip
+
+
+def with_retries(fn: Callable[..., T], *args: Any, budget_s: float) -> T:
+    """Call ``fn``, retrying a Redis blip (a restart, a failover) with backoff for up to
+    ``budget_s`` (the caller's lease): a finished result is not lost to a blip. Retrying
+    is safe: every script is fenced, and a reply or record is counted once."""
+    deadline = time.monotonic() + budget_s
+    pause = 0.05
+    while True:
+        try:
+            return fn(*args)
+        except TRANSIENT:
+            if time.monotonic() + pause >= deadline:
+                raise
+            log.warning("Redis unavailable during %s; retrying in %.2fs", fn.__name__, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
 
 class InFlight:
-    """Steps held by this process: (run_id, kind, key) -> count."""
+    """Turns held by this process, heartbeated by one thread per process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: Counter[tuple[str, str, str]] = Counter()
+        self._items: dict[Held, float] = {}  # -> monotonic time after which it is not beaten
         self._pid = 0
         self.store: RunStore | None = None
         self.handed_back = False  # shutting down: leases no longer extended
 
     @contextmanager
-    def hold(self, store: RunStore, run_id: str, kind: str, key: str = "") -> Iterator[None]:
-        item = (run_id, kind, key)
-        with self._lock:
-            self._ensure_heartbeat(store)
-            self._items[item] += 1
+    def hold(self, store: RunStore, held: Held, max_s: float | None = None) -> Iterator[None]:
+        """Heartbeat ``held`` while the block runs, for at most ``max_s``: a step stuck
+        longer (a model call that never returns) lets its lease lapse and is re-sent."""
+        self.add(store, held, max_s)
         try:
             yield
         finally:
-            with self._lock:
-                self._items[item] -= 1
-                if self._items[item] <= 0:
-                    del self._items[item]
+            self.release(held)
 
-    def items(self) -> list[tuple[str, str, str]]:
+    def add(self, store: RunStore, held: Held, max_s: float | None = None) -> None:
+        """Start heartbeating ``held`` (for at most ``max_s``) until ``release``: for work that
+        outlives the task that started it (a turn waiting on the event loop)."""
+        with self._lock:
+            self._ensure_heartbeat(store)
+            self._items[held] = time.monotonic() + (max_s if max_s is not None else float("inf"))
+
+    def release(self, held: Held) -> None:
+        with self._lock:
+            self._items.pop(held, None)
+
+    def items(self) -> list[Held]:
         with self._lock:
             return list(self._items)
+
+    def _due(self) -> list[Held]:
+        """Held steps still within their time; the others are dropped (once, logged)."""
+        now = time.monotonic()
+        with self._lock:
+            over = [h for h, until in self._items.items() if now > until]
+            for h in over:
+                self._items[h] = float("-inf")
+            return [h for h, until in self._items.items() if until >= now]
 
     def _ensure_heartbeat(self, store: RunStore) -> None:
         if self._pid == os.getpid():
@@ -72,45 +116,232 @@ class InFlight:
             time.sleep(self.store.settings.heartbeat_s)
             if self.handed_back:
                 return
+            items = self._due()
             try:
-                self.store.heartbeat(self.items())
+                verdicts = self.store.heartbeat(items)
             except Exception:
                 log.warning("heartbeat failed; retrying", exc_info=True)
+                continue
+            self._drop_lost(items, verdicts)
 
+    def _drop_lost(self, items: list[Held], verdicts: list[int]) -> None:
+        """Stop beating steps taken over or ended: the holder's writes are fenced anyway."""
+        with self._lock:
+            for held, verdict in zip(items, verdicts, strict=True):
+                if verdict != 1 and held in self._items:
+                    log.warning("%s %s/%d is no longer ours (%s)", held.kind, held.run_id,
+                                held.iteration, "ended" if verdict < 0 else "taken over")  # fmt: skip
+                    self._items[held] = float("-inf")
 
     def hand_back(self) -> None:
-        """Stop extending leases and expire them, so other workers take the steps over."""
+        """Stop extending leases and let them lapse, so other workers take the steps over."""
         self.handed_back = True
-        if self.store is not None and self.items():
-            log.warning("shutting down: handing back %d unfinished step(s)", len(self.items()))
-            self.store.hand_back(self.items())
+        items = self.items()
+        if self.store is not None and items:
+            log.warning("shutting down: handing back %d unfinished step(s)", len(items))
+            self.store.hand_back(items)
 
 
 INFLIGHT = InFlight()
 HAND_BACK_AFTER_S = 10.0  # a warm shutdown lets running turns finish this long first
+SEND_THREADS = 8  # publishers of a sweep's re-sends (each publish waits on the broker)
 
 
-def reenqueue(store: RunStore, recovery: Recovery) -> None:
-    """Send again what a lost worker was doing for one run."""
-    from worker.app import enqueue_call, enqueue_turn
+class Sweeper:
+    """Finds lost steps, one shard at a time, and sends them again.
 
-    if recovery.pause_expired:
-        spec = store.spec(recovery.run_id)
-        limit = spec.pause_max_s if spec else "?"
-        store.abort(recovery.run_id, by="tooloop", reason=f"paused longer than pause_max_s ({limit}s)")
-        return
-    if recovery.turn is not None:
-        log.warning("run %s: turn %d lost; re-enqueued", recovery.run_id, recovery.turn)
-        enqueue_turn(recovery.run_id, recovery.turn)
-    for payload in recovery.calls or []:
-        log.warning("run %s: tool call %s lost; re-enqueued", recovery.run_id, payload["key"])
-        enqueue_call(payload)
+    Each shard is swept under its own lock (any worker may take any free shard), so
+    sweeping scales with the workers. For a run past its next look, RECOVER (one
+    script) ends it if its pause expired, gives up a step past its attempts, and says
+    which steps to send again (their holder was lost) and which messages to look for
+    (never taken: late, or lost?). A message still in its queue is late: it is left
+    alone, so a backlog never grows a step's messages beyond one. Each run is handled
+    on its own: one that cannot be read is logged and ended on error, never stopping
+    the sweep.
+    """
+
+    def __init__(self, store: RunStore, name: str, celery_app: Any = None) -> None:
+        self.store, self.name, self.celery = store, name, celery_app
+        self._broker: redis.Redis | None = None
+        self._tools_seen: dict[str, float] | None = None
+        self._outbox: list[Dispatch] = []  # steps to send again, published by _flush
+
+    def sweep(self) -> int:
+        """One round over every shard this worker can lock now; steps sent again.
+        Messages never taken are looked for once per round (one pass over each queue,
+        whatever the number of shards): RESEND is fenced by generation, so acting after
+        the shard locks lapsed is safe."""
+        self._tools_seen = None
+        sent, checks = 0, []
+        for shard in random.sample(range(SHARDS), SHARDS):
+            shard_sent, shard_checks = self.sweep_shard(shard)
+            sent, checks = sent + shard_sent, checks + shard_checks
+        if checks:
+            sent += self._check_queues(checks, self.store.time_ms())
+        return sent
+
+    def sweep_shard(self, shard: int) -> tuple[int, list[tuple[str, Dispatch]]]:
+        """One shard: (steps sent again, messages to look for in their queues)."""
+        due = self.store.due(shard, self.name)
+        if due is None:
+            return 0, []
+        now, run_ids, expired = due
+        if expired:
+            self.store.drop_expired(shard, expired, now)
+        checks: list[tuple[str, Dispatch]] = []
+        for run_id, found in zip(run_ids, self.store.recover_many(run_ids), strict=True):
+            if isinstance(found, Exception):
+                self._unreadable(run_id, found)
+                continue
+            self._guard(run_id, self._act, found)
+            checks += [(run_id, c) for c in found.checks]
+        return self._flush(), checks
+
+    def _act(self, found: Recovery) -> int:
+        if found.outcome != "steps":
+            if found.outcome in ("pause_expired", "gave_up"):
+                log.warning("run %s ended by the sweeper: %s", found.run_id, found.outcome)
+            return 0
+        for dispatch in found.sends:
+            log.warning("run %s: %s lost; sent again (generation %d)", found.run_id, dispatch.step,
+                        dispatch.gen)  # fmt: skip
+            self._outbox.append(dispatch)
+        return len(found.sends)
+
+    def _check_queues(self, checks: list[tuple[str, Dispatch]], now: int) -> int:
+        """Messages never taken: those still queued are late (a call of a tool no live
+        worker has published for a while is recorded failed); the others are lost."""
+        from worker.app import call_queue, call_task_id, turn_task_id
+
+        by_queue: dict[str, dict[str, Dispatch]] = defaultdict(dict)
+        for _, d in checks:
+            if d.payload is None:
+                by_queue[self.store.keys.turn_queue][turn_task_id(d.run_id, d.iteration, d.gen)] = d
+            else:
+                by_queue[call_queue(self.store.keys, d.payload)][call_task_id(d.payload, d.gen)] = d
+        for queue, wanted in by_queue.items():
+            present = self._queued(queue, list(wanted))
+            for task_id, d in wanted.items():
+                if task_id in present:
+                    self._guard(d.run_id, self._maybe_unroutable, d, now)
+                else:
+                    self._guard(d.run_id, self._resend, d)
+        return self._flush()
+
+    def _resend(self, dispatch: Dispatch) -> int:
+        again = self.store.resend(dispatch)
+        if again is None:
+            return 0
+        log.warning("run %s: %s message lost; sent again (generation %d)", dispatch.run_id,
+                    dispatch.step, again.gen)  # fmt: skip
+        self._outbox.append(again)
+        return 1
+
+    def _maybe_unroutable(self, dispatch: Dispatch, now: int) -> int:
+        """A queued call of a tool that no live worker has published for unroutable_s."""
+        from worker.app import call_queue
+
+        payload = dispatch.payload
+        if payload is None or call_queue(self.store.keys, payload) == self.store.keys.tool_queue:
+            return 0
+        if self._tools_seen is None:
+            self._tools_seen = self.store.tools_last_seen()
+        last_seen = self._tools_seen.get(payload["tool"], 0.0)
+        if now / 1000 - last_seen < self.store.settings.unroutable_s:
+            return 0
+        from worker.tool_task import unroutable
+
+        unroutable(self.store, payload, dispatch.gen, self.celery)
+        return 0
+
+    def _queued(self, queue: str, task_ids: list[str]) -> set[str]:
+        """Task ids found waiting in ``queue``. kombu's Redis transport keeps a queue as a
+        list (``LPUSH`` to publish, ``BRPOP`` to consume): one server-side pass finds
+        them. RabbitMQ cannot be searched by id, and drops a message past its delivery
+        limit: a message past its deadline is late while its queue holds a backlog it may
+        wait behind, and gone once nothing waits there (a resend is fenced by generation,
+        and with no backlog it cannot pile up)."""
+        broker = self._broker_client()
+        if broker is not None:
+            return self.store.queued(broker, self.store.keys.broker_prefix + queue, task_ids)
+        return set(task_ids) if self._waiting(queue) else set()
+
+    def _waiting(self, queue: str) -> bool:
+        from worker.app import app
+
+        return bool(broker.queue_depths(self.celery or app, [queue])[queue])
+
+    def _broker_client(self) -> redis.Redis | None:
+        url = self.store.settings.broker
+        if url == self.store.settings.redis_url:  # the store's Redis, whatever its URL form (sentinel)
+            return self.store.redis
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            return None
+        if self._broker is None:
+            self._broker = redis.Redis.from_url(url, socket_timeout=30)
+        return self._broker
+
+    def _flush(self) -> int:
+        """Publish the steps to send again. Each publish is a broker round trip or two (the
+        task-sent event): a whole fleet's worth (thousands, after a mass loss) goes out from
+        several threads. A send that fails is healed by a later sweep: the step's message
+        is then missing from its queue, and RESEND sends it."""
+        out, self._outbox = self._outbox, []
+        if len(out) <= SEND_THREADS:
+            for dispatch in out:
+                self._send_logged(dispatch)
+        else:
+            with ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="tooloop-resend") as pool:
+                list(pool.map(self._send_logged, out))
+        return len(out)
+
+    def _send_logged(self, dispatch: Dispatch) -> None:
+        try:
+            self._send(dispatch)
+        except Exception:
+            log.warning("run %s: sending %s again failed; a later sweep retries", dispatch.run_id,
+                        dispatch.step, exc_info=True)  # fmt: skip
+
+    def _send(self, dispatch: Dispatch) -> None:
+        from worker.app import send
+
+        metrics.count_recovery(dispatch.payload is None, int(dispatch.payload is not None))
+        send(dispatch, self.celery)
+
+    def _unreadable(self, run_id: str, exc: Exception) -> None:
+        """A run the sweeper cannot read (corrupt state): ended on error, logged."""
+        log.error("run %s cannot be read by the sweeper: %s; ending it", run_id, exc)
+        end = Finish(Exit.error, error=f"run state unreadable: {type(exc).__name__}: {exc}"[:500],
+                     error_type="StateUnreadable")  # fmt: skip
+        try:
+            self.store.finish(run_id, end)
+        except Exception:
+            log.exception("run %s: could not end it either", run_id)
+
+    def _guard(self, run_id: str, fn: Callable[..., int], *args: Any) -> int:
+        """One run's recovery, isolated: a failure is logged (and the run ended if it
+        cannot be read), never stopping the sweep of the others."""
+        try:
+            return fn(*args)
+        except TRANSIENT:
+            raise  # Redis is away: the whole round stops, the next one retries
+        except Exception as exc:
+            self._unreadable(run_id, exc)
+            return 0
+
+
+def reenqueue(store: RunStore, recovery: Recovery, celery_app: Any = None) -> int:
+    """Act on one run's recovery (the sweeper's path, for one run): steps sent again."""
+    sweeper = Sweeper(store, "reenqueue", celery_app)
+    sweeper._act(recovery)
+    return sweeper._check_queues([(recovery.run_id, c) for c in recovery.checks], store.time_ms())
 
 
 class Maintenance(threading.Thread):
-    def __init__(self, store: RunStore, name: str, info: dict[str, Any]) -> None:
+    def __init__(self, store: RunStore, name: str, info: dict[str, Any], celery_app: Any = None) -> None:
         super().__init__(name="tooloop-maintenance", daemon=True)
         self.store, self.worker_name, self.info = store, name, info
+        self.sweeper = Sweeper(store, name, celery_app)
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -124,13 +355,7 @@ class Maintenance(threading.Thread):
                 return
 
     def sweep(self) -> int:
-        count = 0
-        for run_id in self.store.due_runs():
-            recovery = self.store.recover(run_id)
-            if recovery is not None:
-                reenqueue(self.store, recovery)
-                count += 1
-        return count
+        return self.sweeper.sweep()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -145,10 +370,10 @@ class Maintenance(threading.Thread):
 
 
 def worker_info(queues: list[str], tools: list[dict[str, Any]]) -> dict[str, Any]:
-    from worker.sandbox import layers  # probes bubblewrap once, before the pool forks
+    from worker.sandbox import layer_reasons, layers  # probes bubblewrap once, before the pool forks
 
     return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid(),
-            "sandbox": layers()}  # fmt: skip
+            "sandbox": layers(), "sandbox_off": layer_reasons()}  # fmt: skip
 
 
 # -- wiring into the Celery worker -----------------------------------------------
@@ -168,7 +393,14 @@ def _after_setup(sender: str, instance: Any, **_: Any) -> None:
         llm.preload()
     from worker.registry import catalog
 
+    if keys.tool_queue in queues:
+        from worker.sources.mcp_tools import start_host
+
+        start_host(get_store().settings.mcp_servers)  # MCP servers' tools join the registry
     tools = catalog() if keys.tool_queue in queues else []
+    for tool in tools:  # each tool's own queue: a call goes only to workers that have its tool
+        instance.app.amqp.queues.select_add(broker.tool_queue(keys, instance.app.conf.broker_url or "",
+                                                              tool["name"]))  # fmt: skip
     _maintenance.append(Maintenance(get_store(), sender, worker_info(queues, tools)))
 
 
@@ -180,9 +412,9 @@ def _ready(**_: Any) -> None:
 
 @signals.worker_shutting_down.connect
 def _shutting_down(**_: Any) -> None:
-    """Warm shutdown: turns still running after HAND_BACK_AFTER_S are handed back (their
-    reply, if it comes before the process exits, is still recorded unless the retry's
-    came first: a reply is recorded and billed once either way)."""
+    """Warm shutdown: turns still running after HAND_BACK_AFTER_S are handed back (a
+    reply that comes before the process exits is recorded only if nobody took the turn
+    over meanwhile; it is billed once either way)."""
     timer = threading.Timer(HAND_BACK_AFTER_S, INFLIGHT.hand_back)
     timer.daemon = True
     timer.start()

@@ -26,6 +26,7 @@ class TurnContext:
     spec: RunSpec
     tokens_used: int
     messages: list[dict[str, Any]]
+    cost_usd: float = 0.0  # spent so far, all model calls of the run
 
 
 class Middleware:
@@ -61,6 +62,17 @@ class TokenBudget(Middleware):
             return None
         return Finish(Exit.budget_exceeded, error=f"token budget {budget} spent "
                       f"({ctx.tokens_used} tokens used)", error_type="BudgetExceeded")  # fmt: skip
+
+
+class CostBudget(Middleware):
+    """``cost_budget_usd``, checked at the top of every turn like the token budget."""
+
+    def before_turn(self, ctx: TurnContext) -> Finish | None:
+        budget = ctx.spec.cost_budget_usd
+        if budget is None or ctx.cost_usd < budget:
+            return None
+        return Finish(Exit.budget_exceeded, error=f"cost budget ${budget:g} spent (${ctx.cost_usd:.6f} "
+                      "spent)", error_type="CostBudgetExceeded")  # fmt: skip
 
 
 class Chain:

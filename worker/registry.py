@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from worker.schema import arguments_model
 
 SandboxLevel = Literal["default", "strict"]
+ToolSource = Literal["python", "builtin", "mcp", "http"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Tool:
     idempotent: bool = False  # may run again after a worker is lost mid-call
     sandbox: SandboxLevel = "default"  # "strict": the strongest layer, as for shell
     builtin: bool = False
+    source: ToolSource = "python"
+    remote: dict[str, Any] | None = None  # mcp: {"server", "tool"}: where the call goes
+    approval: bool = False  # each call waits for a person's decision (orchestrator/approvals.py)
 
     @property
     def name(self) -> str:
@@ -58,6 +62,7 @@ def _register(
     idempotent: bool,
     sandbox: SandboxLevel,
     builtin: bool = False,
+    approval: bool = False,
 ) -> Callable[..., Any]:
     tool_name = name or fn.__name__
     model, injected, description = arguments_model(fn, tool_name)
@@ -65,9 +70,27 @@ def _register(
     schema.pop("title", None)
     definition = ToolDef(tool_name, description, schema)
     REGISTRY[tool_name] = Tool(
-        fn, definition, model, frozenset(injected), timeout_s, idempotent, sandbox, builtin
-    )
+        fn, definition, model, frozenset(injected), timeout_s, idempotent, sandbox, builtin,
+        source="builtin" if builtin else "python", approval=approval,
+    )  # fmt: skip
     return fn
+
+
+class _AnyArguments(BaseModel):
+    """Remote tools check their own arguments (against the schema they published)."""
+
+    model_config = {"extra": "allow"}
+
+
+def _remote_only(**_: Any) -> Any:
+    raise RuntimeError("a remote tool runs where its source is, not as a function")
+
+
+def register_remote(definition: ToolDef, source: ToolSource, remote: dict[str, Any]) -> Tool:
+    """A tool whose calls go elsewhere (an MCP server): catalog entry and dispatch data."""
+    entry = Tool(_remote_only, definition, _AnyArguments, frozenset(), source=source, remote=remote)
+    REGISTRY[definition.name] = entry
+    return entry
 
 
 @overload
@@ -79,6 +102,7 @@ def tool(
     timeout_s: float | None = None,
     idempotent: bool = False,
     sandbox: SandboxLevel = "default",
+    approval: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -90,11 +114,13 @@ def tool(
     timeout_s: float | None = None,
     idempotent: bool = False,
     sandbox: SandboxLevel = "default",
+    approval: bool = False,
 ) -> Any:
-    """Register ``fn`` as a tool; its schema comes from the signature and docstring."""
+    """Register ``fn`` as a tool; its schema comes from the signature and docstring.
+    ``approval=True``: each call waits for a person's decision before it runs."""
     if fn is not None:
-        return _register(fn, name, timeout_s, idempotent, sandbox)
-    return lambda f: _register(f, name, timeout_s, idempotent, sandbox)
+        return _register(fn, name, timeout_s, idempotent, sandbox, approval=approval)
+    return lambda f: _register(f, name, timeout_s, idempotent, sandbox, approval=approval)
 
 
 def builtin_tool(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,4 +136,11 @@ def load_tools(modules: list[str]) -> None:
 
 
 def catalog() -> list[dict[str, Any]]:
-    return [asdict(t.definition) for t in REGISTRY.values()]
+    """What a worker publishes: each tool's definition and where it comes from."""
+    return [{**asdict(t.definition), "source": t.source, **({"approval": True} if t.approval else {})}
+            for t in REGISTRY.values()]  # fmt: skip
+
+
+def function_schema(entry: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI tool schema of a catalog entry (its other keys are for tooloop only)."""
+    return ToolDef.from_dict(entry).to_openai()

@@ -13,6 +13,7 @@ from typing import Any
 
 from orchestrator.models import Exit, RunSpec
 from orchestrator.store import Finish
+from worker import textcalls
 
 BASE_INSTRUCTION = (
     "You are an agent working in a loop: call the tools you are given when they help, "
@@ -33,6 +34,14 @@ class ToolRequest:
 @dataclass(frozen=True)
 class RunTools:
     calls: list[ToolRequest]
+    message: dict[str, Any] | None = None  # the reply to record instead (text calls made native)
+
+
+@dataclass(frozen=True)
+class Correct:
+    """The reply looked like a tool call written as text that did not parse: say so."""
+
+    text: str  # the corrective user message
 
 
 def outcome_instruction(enum: list[str]) -> str:
@@ -68,10 +77,13 @@ def strip_fences(text: str) -> str:
     return match.group(1).strip() if match else text.strip()
 
 
-def decide(message: dict[str, Any], spec: RunSpec, iteration: int) -> Finish | RunTools:
+def decide(
+    message: dict[str, Any], spec: RunSpec, iteration: int, corrections: int = 0
+) -> Finish | RunTools | Correct:
+    """Native tool calls first; without any, calls written as text; else the final answer."""
     calls = message.get("tool_calls") or []
     if calls:
-        return RunTools(
+        return capped(RunTools(
             [
                 ToolRequest(
                     call.get("id") or f"call_{iteration}_{index}",
@@ -80,12 +92,45 @@ def decide(message: dict[str, Any], spec: RunSpec, iteration: int) -> Finish | R
                 )
                 for index, call in enumerate(calls)
             ]
-        )
-    return final_answer(message.get("content") or "", spec)
+        ), spec)  # fmt: skip
+    content = message.get("content") or ""
+    parsed = textcalls.parse(content, spec.tools)
+    if parsed.calls:
+        return capped(text_calls(parsed, iteration), spec)
+    if parsed.attempted and corrections < textcalls.MAX_CORRECTIONS:
+        return Correct(textcalls.correction(parsed, spec.tools))
+    return final_answer(content, spec)
+
+
+def capped(tools: RunTools, spec: RunSpec) -> RunTools | Finish:
+    """A reply asking for more calls than ``max_tool_calls_per_turn`` ends the run on
+    ``error``, none of them run: one reply must not fan out into thousands of processes,
+    and running only some would act on a plan the model did not make."""
+    limit = spec.max_tool_calls_per_turn
+    if len(tools.calls) <= limit:
+        return tools
+    why = (f"the model's reply asks for {len(tools.calls)} tool calls; at most {limit} per turn "
+           "(max_tool_calls_per_turn): none was run")  # fmt: skip
+    return Finish(Exit.error, error=why, error_type="TooManyToolCalls")
+
+
+def text_calls(parsed: textcalls.Parsed, iteration: int) -> RunTools:
+    """Calls written as text become native calls with synthetic ids: their results go back
+    as ordinary ``tool`` messages, and the recorded reply carries them as ``tool_calls``."""
+    requests = [ToolRequest(f"text_{iteration}_{i}", c.name, c.arguments) for i, c in enumerate(parsed.calls)]
+    message = {
+        "role": "assistant",
+        "content": parsed.remainder or None,
+        "tool_calls": [
+            {"id": r.call_id, "type": "function", "function": {"name": r.name, "arguments": r.arguments}}
+            for r in requests
+        ],
+    }
+    return RunTools(requests, message=message)
 
 
 def final_answer(content: str, spec: RunSpec) -> Finish:
-    text = strip_fences(content)
+    text = strip_fences(textcalls.strip_think(content))
     if spec.outcome is None:
         return Finish(Exit.default, content=text)
     try:

@@ -77,7 +77,7 @@ def fire(store: RunStore, run_id: str, iteration: int, firing: sv.Firing) -> Non
 
 def act(store: RunStore, run_id: str, action: str, text: str, reason: str) -> str:
     if action == "steer":
-        return store.steer(run_id, text, by=BY)
+        return store.steer(run_id, text, by=BY, source="supervisor")
     if action == "pause":
         return store.pause(run_id, by=BY)
     if action == "abort":
@@ -161,14 +161,16 @@ def run_judge(store: RunStore, run_id: str, iteration: int, brief: dict[str, Any
         return
     judge = spec.supervisor.judge
     try:
-        verdict = ask_judge(judge, brief)
+        reply = ask_judge(judge, brief, spec.tenant)
+        store.add_usage(run_id, "judge", reply.tokens, reply.cost_usd)  # counts toward the budgets
+        verdict = sv.parse_verdict(reply.message.get("content"))
     except Exception as exc:  # timeout, bad answer, API error, or anything else: the policy decides
         on_error(store, run_id, iteration, judge, exc)
         return
     if verdict.passed:
         record_judgement(store, run_id, iteration, "none", "verdict", "passed")
     elif record_judgement(store, run_id, iteration, "steer", "verdict", "failed"):
-        store.steer(run_id, sv.judge_steer_text(verdict), by=f"{BY}:judge")
+        store.steer(run_id, sv.judge_steer_text(verdict), by=f"{BY}:judge", source="judge")
 
 
 def record_judgement(store: RunStore, run_id: str, iteration: int, action: str, *fields: Any) -> bool:
@@ -179,12 +181,12 @@ def record_judgement(store: RunStore, run_id: str, iteration: int, action: str, 
     return store.mark_once(run_id, f"judge:{iteration}", *event)
 
 
-def ask_judge(judge: JudgeSpec, brief: dict[str, Any]) -> sv.Verdict:
+def ask_judge(judge: JudgeSpec, brief: dict[str, Any], tenant: str) -> llm.Reply:
     """One judge call, cut at ``timeout_s`` of wall-clock time whatever the provider does."""
     params = {"timeout": judge.timeout_s, **judge.model_params}
     messages = sv.judge_messages(brief)
-    reply = with_deadline(lambda: llm.complete(judge.model, messages, None, params), judge.timeout_s)
-    return sv.parse_verdict(reply.message.get("content"))
+    return with_deadline(lambda: llm.complete(judge.model, messages, None, params, tenant),
+                         judge.timeout_s)  # fmt: skip
 
 
 def on_error(store: RunStore, run_id: str, iteration: int, judge: JudgeSpec, exc: Exception) -> None:

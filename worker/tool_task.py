@@ -13,10 +13,12 @@ from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
 from orchestrator.models import SandboxPolicy, ToolCallRecord
-from orchestrator.store import RunStore
+from orchestrator.store import CallStart, Held, RunStore, new_owner
+from worker import calls, protect
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
+from worker.maintenance import INFLIGHT, with_retries
 from worker.registry import REGISTRY, Tool
-from worker.sandbox import CallOutcome, SandboxContext, prepare_workdir, run_call, settle
+from worker.sandbox import CallOutcome, SandboxContext, run_call, settle
 
 log = get_task_logger(__name__)
 
@@ -24,33 +26,90 @@ LOST = "WorkerLost: the worker running this call was lost; its outcome is unknow
 
 
 @app.task(name=TOOL_TASK)
-def run_tool(payload: dict[str, Any]) -> None:
-    ToolCall(get_store(), payload).run()
+def run_tool(message: dict[str, Any], gen: int = 0) -> None:
+    """``message`` only names the call (worker/calls.py): what it may do is read from Redis."""
+    ToolCall(get_store(), message, gen).run()
 
 
 class ToolCall:
-    def __init__(self, store: RunStore, payload: dict[str, Any]) -> None:
-        self.store = store
-        self.p = payload
-        self.tool: Tool | None = REGISTRY.get(payload["tool"]) if payload.get("allowed") else None
+    def __init__(self, store: RunStore, message: dict[str, Any], gen: int = 0) -> None:
+        self.store, self.gen = store, gen
+        self.p: dict[str, Any] = calls.message(message)  # the view, once START_CALL answered
+        self.tool: Tool | None = None
+        self.http: dict[str, Any] | None = None  # a declared HTTP tool
+        self.held = Held(message["run_id"], "call", message["key"], new_owner(), message["iteration"])
+        self.taken_over = False  # a heartbeat found the call taken over: record nothing
 
     def run(self) -> None:
-        idempotent = self.tool.idempotent if self.tool else True
-        verdict = self.store.start_call(self.p["run_id"], self.p["iteration"], self.p["index"],
-                                        idempotent)  # fmt: skip
-        if verdict == "lost":
-            outcome, inputs = CallOutcome(False, error=LOST), self._raw_inputs()
-        elif verdict == "ok":
-            outcome, inputs = self.execute()
-        else:  # done, busy, paused, ended, stale: somebody else owns this step
-            log.debug("call %s/%s skipped: %s", self.p["run_id"], self.p["key"], verdict)
+        start = self._start()
+        if start.verdict == "gate":
+            self._bind(start)
+            if not self._approved():
+                return
+            start = self._start(approved=True)
+        if start.verdict == "elsewhere":
+            # Routed to its tool's queue, so a worker without the tool never gets here; a
+            # message from before routing (or a registry gone odd) is left for the sweeper.
+            log.warning("call %s/%s: tool %r not on this worker; left for a worker that has it",
+                        self.p["run_id"], self.p["key"], self.p["tool"])  # fmt: skip
             return
+        if start.verdict == "mismatch":  # a message naming another tool than the stored call's
+            log.warning("call %s/%s: the message names tool %r, not the stored call's; dropped",
+                        self.p["run_id"], self.p["key"], self.p.get("tool"))  # fmt: skip
+            return
+        if start.verdict not in ("ok", "lost"):  # done, busy, paused, ended, stale, gave_up
+            log.debug("call %s/%s skipped: %s", self.p["run_id"], self.p["key"], start.verdict)
+            return
+        self._bind(start)
         try:
-            self.record(outcome, inputs)
+            # The process's heartbeat thread keeps the lease while the result is read, scrubbed
+            # and recorded too (the call's own wait loop beats only while the tool runs).
+            with INFLIGHT.hold(self.store, self.held):
+                if start.verdict == "lost":
+                    outcome, inputs = CallOutcome(False, error=LOST), self._raw_inputs()
+                else:
+                    outcome, inputs = self.execute()
+                self.record(outcome, inputs)
+        except Exception as exc:  # our own code failed (not the tool's): one failed attempt
+            log.exception("call %s/%s failed", self.p["run_id"], self.p["key"])
+            error = f"{type(exc).__name__}: {exc}"
+            verdict = self.store.fail_call(self.p["run_id"], self.p["key"], self.held.owner, error)
+            log.warning("call %s/%s: attempt failed (%s)", self.p["run_id"], self.p["key"], verdict)
         finally:
             settle()  # reap the call's process, fork the next one: after the hot path
 
+    def _start(self, approved: bool = False) -> CallStart:
+        """Claim the call and read its spec and stored call, in one round trip."""
+        here = REGISTRY.get(self.p.get("tool") or "")
+        return self.store.start_call(
+            self.held.run_id, self.held.iteration, int(self.p["index"]), self.gen, self.held.owner,
+            self.p.get("tool") or "", here is not None, bool(here and here.approval),
+            here.idempotent if here else True, approved,
+        )  # fmt: skip
+
+    def _bind(self, start: CallStart) -> None:
+        """Everything the call may do, from the stored spec and the stored call."""
+        assert start.spec is not None and start.call is not None
+        self.p = calls.view(start.spec, start.call)
+        self.http = self.p["http_tool"]
+        self.tool = REGISTRY.get(self.p["tool"]) if self.p["allowed"] else None
+
+    def _approved(self) -> bool:
+        """A gated call runs once a person approved it; until then it is parked, and no
+        slot or lease is held (orchestrator/approvals.py). A denial is its record."""
+        from orchestrator.approvals import park
+
+        gate = park(self.store, self.p, self._raw_inputs())
+        if gate.verdict == "denied":
+            # never started, so recorded for nobody, fenced by this message's generation
+            self.record(CallOutcome(False, error=f"Denied: {gate.reason}"), self._raw_inputs(), owner="")
+        elif gate.verdict != "approved":
+            log.debug("call %s/%s: approval %s", self.p["run_id"], self.p["key"], gate.verdict)
+        return gate.verdict == "approved"
+
     def execute(self) -> tuple[CallOutcome, Any]:
+        if self.http is not None:
+            return self._http(), self._raw_inputs()
         if self.tool is None:
             return CallOutcome(False, error=self._unknown()), self._raw_inputs()
         try:
@@ -58,6 +117,8 @@ class ToolCall:
         except json.JSONDecodeError as exc:
             error = f"InvalidArguments: arguments are not valid JSON ({exc})"
             return CallOutcome(False, error=error), self.p["arguments"]
+        if self.tool.remote is not None:
+            return self._remote(raw), raw
         try:
             args = self.tool.arguments.model_validate(raw)
         except ValidationError as exc:
@@ -67,29 +128,67 @@ class ToolCall:
         kwargs = {**dict(args), **self._injected()}
         return run_call(self.tool.fn, kwargs, self._sandbox()), inputs
 
-    def record(self, outcome: CallOutcome, inputs: Any) -> None:
-        record = ToolCallRecord(
-            call_id=self.p["call_id"], tool_name=self.p["tool"], inputs=inputs,
-            output=outcome.output, duration_ms=outcome.duration_ms, success=outcome.ok,
-            error=outcome.error, iteration=self.p["iteration"],
+    def record(self, outcome: CallOutcome, inputs: Any, owner: str | None = None) -> None:
+        """Record as the call's owner (retrying a Redis blip within the lease); a holder
+        that was taken over records nothing: its late result is dropped. ``owner`` '':
+        a call never started (a denial), recorded if this message's generation is current."""
+        if self.taken_over:
+            log.warning("call %s/%s was taken over; its result is dropped", self.p["run_id"],
+                        self.p["key"])  # fmt: skip
+            return
+        # scrubbed and bounded: the record (16 KiB) and what the model sees (max_tool_output_chars)
+        record, message = protect.tool_result(self.p, outcome.ok, outcome.output, outcome.error, inputs,
+                                              outcome.duration_ms)  # fmt: skip
+        verdict, gen = with_retries(
+            self.store.record_call, self.p["run_id"], self.p["iteration"], self.p["index"],
+            self.held.owner if owner is None else owner, record, message, self.gen,
+            budget_s=self.store.settings.lease_s,
         )  # fmt: skip
-        content = json.dumps(outcome.output) if outcome.ok else f"Error: {outcome.error}"
-        message = {"role": "tool", "tool_call_id": self.p["call_id"], "content": content}
-        verdict = self.store.record_call(self.p["run_id"], self.p["iteration"], self.p["index"],
-                                         record, json.dumps(message))  # fmt: skip
         if verdict == "next":
-            enqueue_turn(self.p["run_id"], self.p["iteration"] + 1)
+            enqueue_turn(self.p["run_id"], self.p["iteration"] + 1, gen)
+        elif verdict == "stale":
+            log.warning("call %s/%s was taken over; its result is dropped", self.p["run_id"],
+                        self.p["key"])  # fmt: skip
+
+    def _remote(self, raw: Any) -> CallOutcome:
+        """An MCP server's tool: the worker's MCP host runs the call (worker/sources)."""
+        assert self.tool is not None and self.tool.remote is not None
+        if not isinstance(raw, dict):
+            return CallOutcome(False, error="ValidationError: arguments: must be a JSON object")
+        from worker.sources import mcp_tools
+
+        settings = self.store.settings
+        request = {"run_id": self.p["run_id"], "workdir": self._run_dir(), "timeout_s": self._timeout(),
+                   "sandbox_root": settings.sandbox_root, "mode": settings.sandbox,
+                   "policy": self.p.get("policy") or {}}  # fmt: skip
+        return mcp_tools.call(self.tool.remote, raw, request, self._still_ours)
+
+    def _http(self) -> CallOutcome:
+        """A declared HTTP tool: the request is sent from this process (worker/sources)."""
+        from worker.sources import http_tools
+
+        assert self.http is not None
+        try:
+            raw = json.loads(self.p["arguments"] or "{}")
+        except json.JSONDecodeError as exc:
+            return CallOutcome(False, error=f"InvalidArguments: arguments are not valid JSON ({exc})")
+        return http_tools.call(self.http, raw, self.p["timeout_s"], self.store.settings, self._still_ours)
 
     # -- helpers ------------------------------------------------------------
-    def _sandbox(self) -> SandboxContext:
+    def _timeout(self) -> float:
         assert self.tool is not None
         timeout = self.p["timeout_s"]
         if self.tool.timeout_s is not None:
             timeout = min(timeout, self.tool.timeout_s)
+        return timeout
+
+    def _sandbox(self) -> SandboxContext:
+        assert self.tool is not None
         settings = self.store.settings
         return SandboxContext(
-            workdir=prepare_workdir(self._run_dir(), settings.sandbox_root),
-            timeout_s=timeout,
+            workdir=self._run_dir(),  # checked, then prepared, by run_call
+            run_id=self.p["run_id"],
+            timeout_s=self._timeout(),
             policy=SandboxPolicy.model_validate(self.p.get("policy") or {}),
             on_tick=self._still_ours,
             strict=self.tool.sandbox == "strict",
@@ -99,9 +198,11 @@ class ToolCall:
         )
 
     def _still_ours(self) -> bool:
-        """Heartbeat the call's lease; False once the run ended or the call was taken over."""
-        beat = self.store.heartbeat([(self.p["run_id"], "call", self.p["key"])])
-        return bool(beat) and beat[0] == 1
+        """Heartbeat the call's lease; False once the run ended (the call is killed and
+        recorded as aborted) or the call was taken over (killed, and nothing recorded)."""
+        [beat] = self.store.heartbeat([self.held])
+        self.taken_over = beat == 0
+        return beat == 1
 
     def _run_dir(self) -> str:
         given = self.p.get("sandbox_root")
@@ -128,3 +229,26 @@ def _brief(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
     )
+
+
+def unroutable(store: RunStore, payload: dict[str, Any], gen: int, celery_app: Any = None) -> None:
+    """The sweeper's verdict on a queued call of a tool no live worker has published for
+    ``unroutable_s``: recorded failed for nobody, if its message is still the current one."""
+    error = (f"UnknownTool: no live worker has had tool {payload['tool']!r} for "
+             f"{store.settings.unroutable_s:g}s")  # fmt: skip
+    record = ToolCallRecord(call_id=payload["call_id"], tool_name=payload["tool"],
+                            inputs=_parse(payload.get("arguments")), success=False, error=error,
+                            iteration=payload["iteration"])  # fmt: skip
+    message = {"role": "tool", "tool_call_id": payload["call_id"], "content": f"Error: {error}"}
+    verdict, next_gen = store.record_call(payload["run_id"], payload["iteration"], payload["index"],
+                                          "", record, json.dumps(message), gen=gen)  # fmt: skip
+    log.warning("call %s/%s: %s (%s)", payload["run_id"], payload["key"], error, verdict)
+    if verdict == "next":
+        enqueue_turn(payload["run_id"], payload["iteration"] + 1, next_gen, celery_app)
+
+
+def _parse(arguments: Any) -> Any:
+    try:
+        return json.loads(arguments or "{}")
+    except (TypeError, json.JSONDecodeError):
+        return arguments

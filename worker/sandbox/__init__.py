@@ -7,7 +7,7 @@ Three layers; ``docs/sandbox.md`` says what each stops and what it does not.
   allowlist; every inherited descriptor but the result pipe pointed at /dev/null;
   rlimits (CPU soft < hard, address space, file size, open files, processes);
   ``no_new_privs``; and when the worker is root, a uid of its own
-  (``UID_BASE + pid``) in the run's group (the folder is ``root:<gid> 2770``), so
+  (``UID_BASE + n``, from a host-wide counter) in the run's group (the folder is ``root:<gid> 2770``), so
   RLIMIT_NPROC bounds it and ``kill(-1)`` as that uid ends exactly its processes.
 - ``exec``: strict calls without bubblewrap: the same, but the tool runs in a fresh
   interpreter (no copy of the worker's memory), which drops to the call's uid
@@ -25,14 +25,16 @@ Modules, in the order a call meets them: ``plan`` (its layer, folder, environmen
 bwrap command line, from ``host`` and ``folders``), ``call`` (the worker's side: start,
 watch, kill, reap, decode), ``child`` (the call's own process), ``runner`` (the exec
 layers' fresh interpreter), ``spare`` (the next call's process, forked ahead), ``reaper``
-(orphans and uids); ``constants``, ``context``, ``paths`` and ``libc`` hold what they say.
+(orphans and uids), ``kernel`` (Landlock and seccomp), ``quota`` (the run folder's disk
+quota), ``forget`` (what a forked call drops of the worker's state); ``constants``,
+``context``, ``paths`` and ``libc`` hold what they say.
 """
 
 from worker.sandbox.call import run_call
+from worker.sandbox.command import Command, sandboxed_command
 from worker.sandbox.constants import MODES, UID_BASE, UID_SPAN
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError, jsonable
-from worker.sandbox.folders import prepare_workdir
-from worker.sandbox.host import Host, layers
+from worker.sandbox.host import Host, layer_reasons, layers
 from worker.sandbox.spare import settle
 
 __all__ = [
@@ -40,12 +42,14 @@ __all__ = [
     "UID_BASE",
     "UID_SPAN",
     "CallOutcome",
+    "Command",
     "Host",
     "SandboxContext",
     "SandboxError",
     "jsonable",
+    "layer_reasons",
     "layers",
-    "prepare_workdir",
     "run_call",
+    "sandboxed_command",
     "settle",
 ]

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.sandbox.child import _child, _facts
-from worker.sandbox.constants import EXIT_GRACE_S, MAX_RESULT_BYTES, TICK_S, UID_BASE
+from worker.sandbox.constants import EXIT_GRACE_S, MAX_RESULT_BYTES, TICK_S
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError
 from worker.sandbox.plan import _Plan, _plan
+from worker.sandbox.quota import QUOTA_TICK_S, over_message
 from worker.sandbox.reaper import (
     _become_subreaper,
     _children,
@@ -126,6 +127,7 @@ class _Call:
         os.set_blocking(read_fd, False)
         deadline = time.monotonic() + self.ctx.timeout_s
         next_tick = time.monotonic() + TICK_S
+        next_count = time.monotonic() + QUOTA_TICK_S  # the run folder's quota (short calls: never)
         watched = [read_fd] if pidfd is None else [read_fd, pidfd]
         while not self.exited:
             now = time.monotonic()
@@ -141,6 +143,11 @@ class _Call:
                 next_tick = now + TICK_S
                 if not self._still_wanted():
                     return "Aborted: the run ended while the tool ran"
+                if now >= next_count:
+                    next_count = now + QUOTA_TICK_S
+                    over = over_message(self.plan.workdir, self.plan.quota)
+                    if over:
+                        return over
             wait = max(0.0, min(deadline, next_tick) - now)
             ready, _, _ = select.select(watched, [], [], wait if pidfd is not None else min(wait, 0.01))
             if read_fd in ready and not reader.pull(read_fd):
@@ -181,8 +188,8 @@ class _Call:
             except ChildProcessError:
                 status = 0
         reported = clean_stop and reader.complete and os.WIFEXITED(status) and status == 0
-        if self.root and not reported:  # it did not get to kill(-1) its own uid: we do
-            _kill_uid(UID_BASE + self.pid)
+        if self.plan.uid is not None and not reported:  # it did not get to kill(-1) its own uid: we do
+            _kill_uid(self.plan.uid)
         # The hot path: a forked call that reported, then killed all of its uid itself.
         self.clean = reported and self.root and self.plan.layer == "fork"
         return status

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from worker.sandbox.constants import MAX_RESULT_BYTES, RESULT_FD, UID_BASE
+from worker.sandbox.constants import MAX_RESULT_BYTES, RESULT_FD
 from worker.sandbox.context import SandboxError, jsonable
+from worker.sandbox.forget import forget_worker_state
+from worker.sandbox.kernel import apply as apply_kernel_layers
 from worker.sandbox.libc import _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_SET_PDEATHSIG, _libc
 from worker.sandbox.paths import _inside, _module_path
 from worker.sandbox.plan import _Plan
@@ -46,7 +48,7 @@ def _facts(plan: _Plan) -> _Facts:
         fds=[int(n) for n in os.listdir("/proc/self/fd")] if fork else [],
         handlers=_handlers(os.getpid()),
         env_drop=[k for k in _worker_env_keys(os.getpid()) if k not in plan.env] if fork else [],
-        limits=_limits(plan.policy, nproc=os.geteuid() == 0, fork=fork),
+        limits=_limits(plan.policy, nproc=os.geteuid() == 0, fork=fork, room=plan.room),
     )
 
 
@@ -82,7 +84,8 @@ def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str,
 
 def _isolate(plan: _Plan, facts: _Facts) -> None:
     """Session, signals, descriptors, folder, environment: nothing of the worker's."""
-    _detach(facts, forked=plan.layer == "fork")
+    net_fd = plan.confine.net_fd if plan.confine is not None else None
+    _detach(facts, forked=plan.layer == "fork", keep=(net_fd,) if net_fd is not None else ())
     _enter(plan, facts.env_drop)
 
 
@@ -108,15 +111,19 @@ def _enter(plan: _Plan, env_drop: list[str]) -> None:
 def _confine(plan: _Plan, facts: _Facts, parent: int, drop: bool) -> None:
     """Limits, no_new_privs, the call's uid, death with the worker."""
     for which, limit in facts.limits:
+        if which == resource.RLIMIT_NOFILE and facts.fds:
+            limit = _past_held(limit, len(facts.fds))
         resource.setrlimit(which, limit)
     prctl = _libc().prctl
     prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # setuid binaries gain nothing
     # Its /proc/self/environ still shows the worker's environment block (a forked copy):
     # not dumpable, /proc/self/* belongs to root. (Setting a new uid does this too.)
     prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if plan.confine is not None and plan.layer != "bwrap":  # (bwrap: the runner, inside it)
+        apply_kernel_layers(plan.confine)  # before the drop: root opens the paths of its rules
     if drop:
-        assert plan.gid is not None
-        _drop(UID_BASE + os.getpid(), plan.gid)
+        assert plan.gid is not None and plan.uid is not None
+        _drop(plan.uid, plan.gid)
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the drop, which clears it
     if os.getppid() != parent:
         raise SandboxError("the worker died")
@@ -132,7 +139,11 @@ def _stdio_to_devnull(inherited: list[int] | None, keep: tuple[int, ...] = ()) -
         if fd != null:
             os.dup2(null, fd)
     if inherited is None:
-        os.closerange(RESULT_FD + 1, 1 << 20)
+        last = RESULT_FD
+        for fd in sorted(keep):
+            os.closerange(last + 1, fd)
+            last = fd
+        os.closerange(last + 1, 1 << 20)
         return
     for fd in inherited:
         if fd > RESULT_FD and fd != null and fd not in keep:
@@ -142,15 +153,18 @@ def _stdio_to_devnull(inherited: list[int] | None, keep: tuple[int, ...] = ()) -
         os.close(null)
 
 
-def _limits(policy: SandboxPolicy, nproc: bool, fork: bool) -> list[tuple[int, tuple[int, int]]]:
+def _limits(policy: SandboxPolicy, nproc: bool, fork: bool,
+            room: int | None = None) -> list[tuple[int, tuple[int, int]]]:  # fmt: skip
+    """The call's rlimits; ``room``: what the run's folder may still take (worker/sandbox/quota.py)."""
     mb = 1024 * 1024
     memory = policy.memory_mb * mb
     if fork:  # the forked worker's own mappings are not the call's to spend
         memory += _address_space()
+    fsize = policy.max_file_mb * mb if room is None else min(policy.max_file_mb * mb, room)
     wanted = {
         resource.RLIMIT_CPU: (policy.cpu_s, policy.cpu_s + 1),  # SIGXCPU, then SIGKILL
         resource.RLIMIT_AS: (memory, memory),
-        resource.RLIMIT_FSIZE: (policy.max_file_mb * mb, policy.max_file_mb * mb),
+        resource.RLIMIT_FSIZE: (fsize, fsize),  # one file; the folder: worker/sandbox/quota.py
         resource.RLIMIT_NOFILE: (policy.max_open_files, policy.max_open_files),
         resource.RLIMIT_CORE: (0, 0),  # a core file would hold the worker's memory
     }
@@ -163,6 +177,17 @@ def _limits(policy: SandboxPolicy, nproc: bool, fork: bool) -> list[tuple[int, t
             soft, hard = min(soft, current_hard), min(hard, current_hard)
         limits.append((which, (soft, hard)))
     return limits
+
+
+def _past_held(limit: tuple[int, int], held: int) -> tuple[int, int]:
+    """A forked call keeps the worker's descriptor numbers (pointed at /dev/null, see
+    ``_stdio_to_devnull``): a limit counted from zero would leave it none to open when the
+    worker holds many. It may open ``max_open_files`` more than it inherited."""
+    cap = _hard_limit(resource.RLIMIT_NOFILE)
+    soft, hard = (n + held for n in limit)
+    if cap != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cap), min(hard, cap)
+    return soft, hard
 
 
 @lru_cache(maxsize=16)
@@ -184,6 +209,7 @@ def _drop(uid: int, gid: int) -> None:
 
 
 def _serve(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int:
+    forget_worker_state()  # a copy of the worker's heap: its settings, clients and keys dropped
     try:
         payload = {"ok": jsonable(fn(**kwargs))}
     except BaseException as exc:  # the model sees every failure, whatever its type
@@ -211,17 +237,28 @@ def _report(payload: dict[str, Any]) -> None:
         view = view[os.write(RESULT_FD, view) :]
 
 
+def _runner_confinement(plan: _Plan) -> dict | None:
+    """Under bwrap, the runner applies Landlock and seccomp itself (bwrap's own mounts come
+    first); its network ruleset crosses bwrap as an inherited descriptor."""
+    conf = plan.confine
+    if plan.layer != "bwrap" or conf is None:
+        return None
+    if conf.net_fd is not None:
+        os.set_inheritable(conf.net_fd, True)
+    return {"landlock": conf.landlock, "bpf": conf.bpf, "net_fd": conf.net_fd}
+
+
 def _exec_runner(plan: _Plan, facts: _Facts, parent: int) -> NoReturn:
     """Replace this process with the runner; its request arrives on stdin (a memfd).
     The request is written before the limits: this process is still the worker's size."""
-    uid = UID_BASE + os.getpid()
     request = {
         "path": [p for p in _module_path() if not _inside(p, plan.workdir)],
         "module": plan.target[0],
         "qualname": plan.target[1],
         "kwargs": plan.kwargs_blob,
-        "drop": (uid, plan.gid) if plan.gid is not None else None,
+        "drop": (plan.uid, plan.gid) if plan.gid is not None else None,
         "parent": parent if plan.layer == "exec" else None,  # outside bwrap: re-arm pdeathsig
+        "confine": _runner_confinement(plan),
     }
     fd = os.memfd_create("tooloop-call", 0)
     os.write(fd, pickle.dumps(request))

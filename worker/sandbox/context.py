@@ -29,6 +29,8 @@ class SandboxContext:
     strict: bool = False  # the strongest layer available (built-ins, @tool(sandbox="strict"))
     mode: str | None = None  # auto | bwrap | basic; None: TOOLOOP_SANDBOX
     sandbox_root: str | None = None  # parent of all run folders; None: TOOLOOP_SANDBOX_ROOT
+    run_id: str | None = None  # whose folder ``workdir`` must be (None: any plain name under the root)
+    allow: tuple[str, ...] | None = None  # other roots of run folders; None: TOOLOOP_SANDBOX_ALLOW
     # True: return as soon as the result is in; reaping (and forking the next call's
     # process) waits for settle(). False: nothing of the call survives run_call.
     defer_cleanup: bool = False

@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from worker.sandbox.constants import MODES, SYSTEM_PATH, UID_BASE
-from worker.sandbox.paths import _python_paths, _reachable_by_others
+from worker.sandbox.constants import MODES, SYSTEM_PATH
+from worker.sandbox.paths import _inside, _python_paths, _reachable_by_others
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,11 @@ class Host:
 
 def layers(mode: str | None = None) -> dict[str, bool]:
     """Which layers are active on this host (published for ``tooloop doctor``)."""
+    from worker.sandbox.kernel import status
+
     host = _host(probe=_mode(mode) != "basic")
     bwrap = _bwrap_on(mode)
+    kernel = status()
     _warn_once(mode)
     return {
         "fork": True,
@@ -44,7 +47,23 @@ def layers(mode: str | None = None) -> dict[str, bool]:
         "netns": bwrap,
         "pidns": bwrap,
         "mountns": bwrap,
+        "landlock": not kernel["landlock"],
+        "landlock_net": not kernel["landlock_net"],
+        "seccomp": not kernel["seccomp"],
     }
+
+
+def layer_reasons(mode: str | None = None) -> dict[str, str]:
+    """Why each layer that is off is off (``tooloop doctor``, ``/api/health``)."""
+    from worker.sandbox.kernel import status
+
+    host = _host(probe=_mode(mode) != "basic")
+    reasons = {k: v for k, v in status().items() if v}
+    if not _bwrap_on(mode):
+        reasons["bwrap"] = host.bwrap_error or f"TOOLOOP_SANDBOX={_mode(mode)}"
+    if not host.root:
+        reasons["setuid"] = "the worker is not root: calls run as its own user"
+    return reasons
 
 
 def _mode(mode: str | None) -> str:
@@ -75,8 +94,10 @@ def _probe_bwrap(root: bool) -> tuple[str | None, tuple[str, ...], str]:
     if binary is None:
         return None, (), "bubblewrap is not installed (apt-get install -y bubblewrap)"
     error = ""
+    # Python under /tmp (a venv made there) is hidden by the private /tmp: bound back, as for calls.
+    binds = [a for p in _python_paths() if _inside(p, "/tmp") for a in ("--ro-bind", p, p)]
     for flags in _bwrap_flag_sets(root):
-        argv = [binary, *flags, "--unshare-net", *_BASE_MOUNTS, "--", *_probe_command(root)]
+        argv = [binary, *flags, "--unshare-net", *_BASE_MOUNTS, *binds, "--", *_probe_command(root)]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -105,7 +126,9 @@ _BASE_MOUNTS = ("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
 def _probe_command(root: bool) -> list[str]:
     if not root:
         return ["/bin/sh", "-c", "true"]
-    uid = UID_BASE + os.getpid()  # nobody else holds this uid while we live
+    from worker.sandbox.folders import _sandbox_root, next_uid
+
+    uid = next_uid(_sandbox_root(None))  # a call's uid: nobody else holds it
     drop = f"import os; os.setgroups([{uid}]); os.setresgid(*[{uid}]*3); os.setresuid(*[{uid}]*3)"
     return [sys.executable, "-I", "-S", "-c", drop]
 
@@ -128,8 +151,15 @@ def _warn_once(mode: str | None) -> None:
     elif host.bwrap is None:
         refused = "every tool call is refused" if mode == "bwrap" else "strict tools run without it"
         lines.append(f"bubblewrap unavailable ({host.bwrap_error}); {refused}.")
+    from worker.sandbox.kernel import status
+
+    kernel = {k: v for k, v in status().items() if v}
     if lines:
-        lines.append("No network, mount or pid isolation for tool calls (see docs/sandbox.md).")
+        lines.append("No mount or pid isolation for tool calls (see docs/sandbox.md).")
+    if kernel:
+        lines += [f"{k} off: {why}" for k, why in kernel.items()]
+        if lines and (mode == "basic" or host.bwrap is None):
+            lines.append("Without bwrap and Landlock/seccomp, tool calls may reach the network.")
     if not host.root:
         lines.append("The worker is not root: tool calls run as the worker's own user (its files, "
                      "its other processes' /proc) and RLIMIT_NPROC is not applied (fork bombs).")  # fmt: skip

@@ -23,8 +23,34 @@ def _python_paths() -> tuple[str, ...]:
 
 @lru_cache(maxsize=1)
 def _module_path() -> tuple[str, ...]:
-    """The worker's ``sys.path`` as absolute paths ('' is the worker's cwd, not the run's)."""
-    return tuple(os.path.abspath(p or os.getcwd()) for p in sys.path if os.path.exists(p or "."))
+    """Where a fresh interpreter finds what the worker imported: its ``sys.path`` as absolute
+    paths ('' is the worker's cwd, not the run's), then the folders holding ``worker``,
+    ``orchestrator`` and each registered tool's module, found from the worker's own modules.
+    ``python -S`` skips ``site``, so an editable install's import finder (a ``.pth`` hook, not
+    a path) is gone: only these folders tell the runner where the code is. Computed at the
+    first call, after the worker imported its tool modules."""
+    entries = [os.path.abspath(p or os.getcwd()) for p in sys.path if os.path.exists(p or ".")]
+    for root in _package_roots():
+        if root not in entries:
+            entries.append(root)
+    return tuple(entries)
+
+
+def _package_roots() -> list[str]:
+    from worker.registry import REGISTRY
+
+    names = {"worker", "orchestrator", *(getattr(t.fn, "__module__", "") or "" for t in REGISTRY.values())}
+    roots: list[str] = []
+    for name in sorted(n.split(".")[0] for n in names if n and n != "__main__"):
+        module = sys.modules.get(name)
+        locations = list(getattr(module, "__path__", None) or [])  # a package: its folder(s)
+        if not locations and getattr(module, "__file__", None):
+            locations = [module.__file__]  # a single-file module
+        for location in locations:
+            root = os.path.dirname(os.path.realpath(location))
+            if root not in roots:
+                roots.append(root)
+    return roots
 
 
 def _ancestors(path: str) -> list[str]:

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from worker.sandbox.constants import ALLOWED_COMMANDS_ENV, ENV_PASSTHROUGH, MODES, SYSTEM_PATH
+from worker.sandbox.constants import ALLOWED_COMMANDS_ENV, ENV_PASSTHROUGH, EXECUTORS_ENV, MODES, SYSTEM_PATH
 from worker.sandbox.context import SandboxContext, SandboxError
-from worker.sandbox.folders import _prepare, _sandbox_root
+from worker.sandbox.folders import _allowed, _prepare, _sandbox_root, checked_folder, make_tmp, next_uid
 from worker.sandbox.host import _BASE_MOUNTS, _host, _mode
+from worker.sandbox.kernel import Confinement, confinement
 from worker.sandbox.paths import _ancestors, _inside, _python_paths
+from worker.sandbox.quota import room
 from worker.sandbox.runner import _runner_source
 
 if TYPE_CHECKING:
@@ -31,11 +33,15 @@ class _Plan:
     layer: str  # fork | exec | bwrap
     workdir: str  # real path of the run folder
     gid: int | None  # the run's group when the worker is root
+    uid: int | None  # the call's own uid when the worker is root (host-wide counter)
     policy: SandboxPolicy
     env: dict[str, str]
+    confine: Confinement | None = None  # Landlock and seccomp, applied by the call's process
     argv: list[str] = field(default_factory=list)  # exec layers: what runs the runner
     target: tuple[str, str] = ("", "")  # exec layers: module and qualname of the tool
     kwargs_blob: bytes = b""  # exec layers: the arguments, pickled
+    quota: int = 0  # bytes the run's folder may hold (policy.max_disk_mb)
+    room: int | None = None  # bytes the call may still write there (its RLIMIT_FSIZE at most)
 
 
 def _plan(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -> _Plan:
@@ -44,14 +50,44 @@ def _plan(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -
         raise SandboxError(f"TOOLOOP_SANDBOX={mode!r}: use one of {', '.join(MODES)}")
     layer = _layer(mode, ctx.strict)
     root = _sandbox_root(ctx.sandbox_root)
-    gid = _prepare(ctx.workdir, root)
-    workdir = _checked_workdir(ctx.workdir)
-    plan = _Plan(layer, workdir, gid, ctx.policy, _environment(workdir, layer, ctx.policy))
+    allow = list(ctx.allow) if ctx.allow is not None else None
+    workdir = _checked_workdir(ctx.workdir, ctx.run_id, root, ctx.allow)  # before anything is touched
+    gid = _prepare(workdir, root, ctx.run_id, allow)
+    uid = next_uid(root) if gid is not None else None
+    tmp = "/tmp" if layer == "bwrap" else make_tmp(workdir, gid)  # /tmp is private only under bwrap
+    plan = _Plan(layer, workdir, gid, uid, ctx.policy, _environment(workdir, tmp, ctx.policy))
+    plan.quota = ctx.policy.max_disk_mb << 20
+    plan.room = room(workdir, plan.quota)
+    hidden = _hidden(root, allow) if _hides_runs(uid, layer) else ()
+    plan.confine = _confinement(workdir, ctx.policy.network, layer, hidden)
     if layer != "fork":
         plan.target = _importable(fn)
         plan.kwargs_blob = _pickled(kwargs)
         plan.argv = _runner_argv(plan, root)
     return plan
+
+
+def _hides_runs(uid: int | None, layer: str) -> bool:
+    """A call without a uid of its own shares the worker's user with every other run's
+    calls: only Landlock keeps it out of their folders (bwrap hides them by its mounts)."""
+    return uid is None and layer != "bwrap"
+
+
+def _hidden(root: str, allow: list[str] | None) -> tuple[str, ...]:
+    """The folders of all runs, which a call without a uid of its own (the worker is not
+    root: every call is the worker's user) must not read: only Landlock can keep it out."""
+    return tuple(sorted({os.path.realpath(root), *_allowed(allow)}))
+
+
+def _confinement(workdir: str, network: bool, layer: str, hidden: tuple[str, ...] = ()) -> Confinement:
+    """Landlock and seccomp for this call. A call with network on must still never reach
+    Redis or the broker: without Landlock's TCP rules (ABI >= 4) it is refused."""
+    conf = confinement(workdir, network, layer == "bwrap", hidden)
+    if network and conf.net_fd is None:
+        why = "; ".join(conf.missing) or "Landlock ABI < 4 (no TCP rules)"
+        raise SandboxError(f"policy.network is on, but this host cannot keep tool calls away from Redis "
+                           f"and the broker ({why}): refused")  # fmt: skip
+    return conf
 
 
 def _layer(mode: str, strict: bool) -> str:
@@ -68,10 +104,12 @@ def _layer(mode: str, strict: bool) -> str:
 
 
 @lru_cache(maxsize=256)
-def _checked_workdir(path: str) -> str:
-    """The real path of a run folder, never one holding the worker's own code (it is
-    handed to the model). Cached: the calls of a run come to the same worker process."""
-    workdir = os.path.realpath(path)
+def _checked_workdir(path: str, run_id: str | None, root: str, allow: tuple[str, ...] | None) -> str:
+    """The real path of a run folder: inside the operator's roots (the sandbox root's
+    ``<run_id>``, or inside a TOOLOOP_SANDBOX_ALLOW folder), never one holding the
+    worker's own code (it is handed to the model). Cached: the calls of a run come to
+    the same worker process, and the folders on the way are root's or the operator's."""
+    workdir = checked_folder(path, run_id, root, list(allow) if allow is not None else None)
     here = os.path.abspath(__file__)  # <the worker's code>/worker/sandbox/plan.py
     for code in [*_python_paths(), os.path.dirname(os.path.dirname(os.path.dirname(here)))]:
         if _inside(code, workdir):
@@ -79,19 +117,26 @@ def _checked_workdir(path: str) -> str:
     return workdir
 
 
-def _environment(workdir: str, layer: str, policy: SandboxPolicy) -> dict[str, str]:
+def _environment(workdir: str, tmp: str, policy: SandboxPolicy) -> dict[str, str]:
     """The allowlist: nothing of the worker's environment (API keys, TOOLOOP_*) gets in."""
     env = {
         "PATH": f"{os.path.dirname(sys.executable)}:{SYSTEM_PATH}",
         "HOME": workdir,
-        "TMPDIR": "/tmp" if layer == "bwrap" else workdir,  # /tmp is private only under bwrap
+        "TMPDIR": tmp, "TMP": tmp, "TEMP": tmp, "TEMPDIR": tmp,
         "LANG": "C.UTF-8",
         "TERM": "dumb",
     }
     env.update({k: os.environ[k] for k in ENV_PASSTHROUGH if k in os.environ})
     if policy.allowed_commands is not None:
         env[ALLOWED_COMMANDS_ENV] = json.dumps(policy.allowed_commands)
+        env[EXECUTORS_ENV] = json.dumps(_shell_executors())
     return env
+
+
+def _shell_executors() -> list[str]:
+    from orchestrator.settings import get_settings
+
+    return [n.strip() for n in get_settings().shell_executors.split(",") if n.strip()]
 
 
 def _importable(fn: Callable[..., Any]) -> tuple[str, str]:
@@ -130,7 +175,7 @@ def _bwrap_argv(plan: _Plan, sandbox_root: str) -> list[str]:
     argv = [host.bwrap, *host.bwrap_flags]
     if not plan.policy.network:
         argv.append("--unshare-net")
-    argv += _BASE_MOUNTS
+    argv += _base_mounts(plan.quota)
     masks = ["/tmp", *_masks()]
     for path in masks[1:]:
         argv += ["--tmpfs", path]
@@ -143,6 +188,27 @@ def _bwrap_argv(plan: _Plan, sandbox_root: str) -> list[str]:
     masks.append(runs)
     argv += [*_parents(plan.workdir, masks), "--bind", plan.workdir, plan.workdir]
     return [*argv, "--chdir", plan.workdir]
+
+
+def _base_mounts(quota: int) -> list[str]:
+    """bwrap's private /tmp is memory: at most the run's disk quota, where bwrap has --size."""
+    mounts = list(_BASE_MOUNTS)
+    if quota and _bwrap_sizes():
+        at = mounts.index("--tmpfs")
+        mounts[at:at] = ["--size", str(quota)]
+    return mounts
+
+
+@lru_cache(maxsize=1)
+def _bwrap_sizes() -> bool:
+    """Does this bubblewrap know ``--size`` (0.7 and later)?"""
+    import subprocess
+
+    binary = _host(probe=True).bwrap
+    if binary is None:
+        return False
+    proc = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=10, check=False)
+    return "--size" in proc.stdout + proc.stderr
 
 
 def _masks() -> list[str]:
@@ -167,7 +233,7 @@ def _parents(path: str, masks: list[str]) -> list[str]:
 @lru_cache(maxsize=1)
 def _python_masks() -> frozenset[str]:
     if os.geteuid() != 0:  # bwrap runs as the worker's user: hide its home instead
-        home = os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir or "/")
+        home = os.path.realpath(_home())
         return frozenset({home} if home != "/" and os.path.isdir(home) else set())
     masks = set()
     for path in _python_paths():
@@ -175,6 +241,14 @@ def _python_masks() -> frozenset[str]:
         if blocking:
             masks.add(blocking[0])
     return frozenset(masks)
+
+
+def _home() -> str:
+    """The worker user's home (a uid without a passwd entry, as in some containers: $HOME)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir or "/"
+    except KeyError:
+        return os.environ.get("HOME") or "/"
 
 
 def _binds_under(masks: list[str], network: bool) -> list[str]:

@@ -10,6 +10,8 @@ import inspect
 import textwrap
 from functools import lru_cache
 
+from worker.sandbox.kernel import _landlock_apply, _seccomp_load
+
 
 def _runner_main() -> None:
     import json  # noqa: F401  (before the drop: the call's uid may not read the stdlib)
@@ -29,6 +31,11 @@ def _runner_main() -> None:
     try:
         fn = _runner_import(request["module"], request["qualname"])
         kwargs = pickle.loads(request["kwargs"])
+        confine = request["confine"]  # under bwrap: Landlock and seccomp, applied here
+        if confine and confine["landlock"]:
+            _landlock_apply(confine["landlock"], confine["net_fd"])
+        if confine and confine["bpf"]:
+            _seccomp_load(confine["bpf"])
         if request["drop"]:
             _runner_drop(*request["drop"], request["parent"])
     except BaseException as exc:
@@ -113,7 +120,8 @@ def _runner_report(payload: dict) -> None:
         view = view[os.write(3, view) :]
 
 
-_RUNNER_FUNCTIONS = (_runner_import, _runner_drop, _runner_call, _runner_report, _runner_main)
+_RUNNER_FUNCTIONS = (_landlock_apply, _seccomp_load, _runner_import, _runner_drop, _runner_call,
+                     _runner_report, _runner_main)  # fmt: skip
 
 
 @lru_cache(maxsize=1)

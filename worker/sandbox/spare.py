@@ -39,6 +39,7 @@ from worker.sandbox.child import (
     _worker_env_keys,
 )
 from worker.sandbox.constants import REQUEST_FD, RESULT_FD
+from worker.sandbox.kernel import _net_fds
 from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 from worker.sandbox.plan import _Plan
 
@@ -50,6 +51,7 @@ class _Spare:
     pid: int
     request_fd: int  # the worker writes the call here (pickle: worker -> its own fork)
     result_fd: int  # the call's framed JSON result comes back here
+    kept: tuple[int, ...] = ()  # Landlock network rulesets it inherited (built once per process)
 
     def send(self, request: tuple[Any, ...]) -> None:
         data = pickle.dumps(request)
@@ -107,12 +109,13 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
     (_spare_wanted.discard if busy else _spare_wanted.add)(os.getpid())
     name = _registered_name(fn)
     spare = _spares.pop(os.getpid(), None)
-    if spare is None or name is None:
+    net_fd = plan.confine.net_fd if plan.confine is not None else None
+    if spare is None or name is None or (net_fd is not None and net_fd not in spare.kept):
         if spare is not None:
             _spares[os.getpid()] = spare
         return None
     env_drop = [k for k in _worker_env_keys(os.getpid()) if k not in plan.env]
-    limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True)
+    limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
     try:
         spare.send((plan, env_drop, limits, name, kwargs, os.getpid()))
     except OSError:  # it died meanwhile (killed from outside?)
@@ -130,19 +133,20 @@ def _registered_name(fn: Callable[..., Any]) -> str | None:
 def _spawn_spare() -> _Spare:
     facts = _Facts(fds=[int(n) for n in os.listdir("/proc/self/fd")],
                    handlers=_handlers(os.getpid()), env_drop=[], limits=[])  # fmt: skip
+    kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
     request_r, request_w = os.pipe()
     result_r, result_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never returns
         os.close(request_w)
         os.close(result_r)
-        _spare_main(facts, result_w, request_r)
+        _spare_main(facts, result_w, request_r, kept)
     os.close(request_r)
     os.close(result_w)
-    return _Spare(pid, request_w, result_r)
+    return _Spare(pid, request_w, result_r, kept)
 
 
-def _spare_main(facts: _Facts, result_w: int, request_r: int) -> NoReturn:
+def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, ...]) -> NoReturn:
     code = 1
     try:
         high_w, high_r = fcntl.fcntl(result_w, fcntl.F_DUPFD, 10), fcntl.fcntl(request_r, fcntl.F_DUPFD, 10)
@@ -150,7 +154,7 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int) -> NoReturn:
         os.dup2(high_r, REQUEST_FD)
         for fd in {high_w, high_r, result_w, request_r} - {RESULT_FD, REQUEST_FD}:
             os.close(fd)
-        _detach(facts, forked=True, keep=(REQUEST_FD,))
+        _detach(facts, forked=True, keep=(REQUEST_FD, *kept))
         _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # an idle spare dies with its worker
         request = _read_request()
         if request is None:  # the worker went away (or changed its mind)
@@ -160,7 +164,7 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int) -> NoReturn:
         from worker.registry import REGISTRY
 
         _enter(plan, env_drop)
-        _confine(plan, _Facts([], [], env_drop, limits), parent, drop=plan.gid is not None)
+        _confine(plan, _Facts(facts.fds, [], env_drop, limits), parent, drop=plan.gid is not None)
         code = _serve(plan, REGISTRY[name].fn, kwargs)
     except BaseException as exc:
         with contextlib.suppress(BaseException):

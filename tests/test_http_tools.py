@@ -1,0 +1,233 @@
+"""Declared HTTP tools against a local HTTP server: calls, templates, limits, and every
+refusal (a host outside allow_hosts, a redirect out of it, a metadata address, the
+worker's variables sent where the operator did not allow)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from orchestrator import SpecError
+from orchestrator.http_tools import HttpTool
+from orchestrator.models import Status
+from orchestrator.settings import Settings
+from tests.helpers import call, tools, wait_for
+from worker.sources.http_tools import Refused, check_target
+
+SECRET = "k-" + "7" * 12
+
+
+class _Handler(BaseHTTPRequestHandler):
+    disable_nagle_algorithm = True
+    seen: list[dict] = []
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes, ctype: str = "application/json", **headers: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _handle(self) -> None:
+        url = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length).decode() if length else ""
+        seen = {"method": self.command, "path": url.path, "query": parse_qs(url.query),
+                "auth": self.headers.get("Authorization"), "body": body}  # fmt: skip
+        _Handler.seen.append(seen)
+        if url.path == "/redirect":
+            self._reply(302, b"", Location=parse_qs(url.query)["to"][0])
+        elif url.path == "/big":
+            self._reply(200, b"x" * 5000, "text/plain")
+        elif url.path == "/trickle":  # a byte every 0.2 s: no read timeout ever fires
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:  # the client gave up: expected
+                return
+        elif url.path == "/missing":
+            self._reply(404, b'{"error": "no such item"}')
+        else:
+            self._reply(200, json.dumps(seen).encode(), X_Served_By="test")
+
+    do_GET = do_POST = do_PUT = _handle
+
+
+@pytest.fixture(scope="module")
+def site():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _tool(site: str, **fields: object) -> dict:
+    base = {
+        "name": "get_item", "description": "Read one item.",
+        "parameters": {"type": "object", "properties": {"id": {"type": "integer"}, "q": {"type": "string"}},
+                       "required": ["id"]},
+        "url": f"http://{site}/items/{{id}}?q={{q}}", "allow_hosts": [site],
+    }  # fmt: skip
+    return {**base, **fields}
+
+
+def test_calls_with_templates_bounds_and_failures(client, worker, spec, site, model_server):
+    post = _tool(site, name="post_item", method="POST", url=f"http://{site}/echo",
+                 body={"id": "{id}", "label": "item {id}: {q}", "fixed": [1, True]},
+                 headers={"X-Trace": "t-{id}"})  # fmt: skip
+    big = _tool(site, name="big", url=f"http://{site}/big", max_response_bytes=1000)
+    missing = _tool(site, name="missing", url=f"http://{site}/missing")
+    steps = [
+        tools(call("get_item", {"id": 7, "q": "a b/c"}), call("post_item", {"id": 3, "q": "x"}),
+              call("big", {"id": 1}), call("missing", {"id": 1}), call("get_item", {"id": "seven"})),
+        {"content": "done"},
+    ]  # fmt: skip
+    s = spec(steps, http_tools=[_tool(site), post, big, missing])
+    result = client.submit(s).wait(timeout=60)
+    assert result.status == Status.completed, result
+    got, posted, large, absent, invalid = result.tool_calls
+    assert got.success and got.output["status"] == 200
+    assert got.output["body"]["path"] == "/items/7" and got.output["body"]["query"] == {"q": ["a b/c"]}
+    assert got.output["headers"]["x-served-by"] == "test" and got.output["truncated"] is False
+    sent = json.loads(posted.output["body"]["body"])
+    assert sent == {"id": 3, "label": "item 3: x", "fixed": [1, True]}  # "{id}" kept its JSON type
+    assert large.output["truncated"] is True and large.output["body"] == "x" * 1000
+    assert absent.success and absent.output["status"] == 404
+    assert not invalid.success and invalid.error.startswith("ValidationError: id:")
+    # declared tools reach the model with their schemas, without being listed in `tools`
+    offered = {t["function"]["name"] for t in model_server.calls(s["model"])[0]["tools"]}
+    assert offered == {"get_item", "post_item", "big", "missing"}
+
+
+def test_a_redirect_out_of_allow_hosts_is_refused(client, worker, spec, site):
+    _Handler.seen.clear()
+    port = site.split(":")[1]
+    away = f"http://localhost:{port}/items/1"  # same server, a host the spec did not allow
+    redirect = _tool(site, name="hop", url=f"http://{site}/redirect?to={{q}}")
+    steps = [tools(call("hop", {"id": 1, "q": away}), call("hop", {"id": 1, "q": f"http://{site}/items/2"})),
+             {"content": "done"}]  # fmt: skip
+    result = client.submit(spec(steps, http_tools=[redirect])).wait(timeout=60)
+    refused, followed = result.tool_calls
+    assert not refused.success and refused.error.startswith("Refused: localhost is not in allow_hosts")
+    assert followed.success and followed.output["body"]["path"] == "/items/2"
+    assert [s["path"] for s in _Handler.seen].count("/items/1") == 0  # never sent
+
+
+def test_a_declared_tool_named_in_approval_sends_nothing_until_approved(client, worker, spec, site):
+    s = spec([tools(call("get_item", {"id": 9}, call_id="c_get")), {"content": "done"}],
+             http_tools=[_tool(site)], approval=["get_item"])  # fmt: skip
+    handle = client.submit(s)
+    wait_for(handle.pending_approvals, 30)
+    time.sleep(0.5)
+    assert "/items/9" not in [r["path"] for r in _Handler.seen]  # parked, not sent
+    assert handle.approve("c_get") == "ok"
+    [record] = handle.wait(timeout=60).tool_calls
+    assert record.success and record.output["body"]["path"] == "/items/9"
+    assert [r["path"] for r in _Handler.seen].count("/items/9") == 1
+
+
+def test_a_response_past_the_time_limit_is_a_failed_record(client, worker, spec, site):
+    trickle = _tool(site, name="trickle", url=f"http://{site}/trickle", timeout_s=1.5)
+    started = time.monotonic()
+    result = client.submit(spec([tools(call("trickle", {"id": 1})), {"content": "done"}],
+                                http_tools=[trickle])).wait(timeout=60)  # fmt: skip
+    [record] = result.tool_calls
+    assert not record.success and record.error == "Timeout: tool call exceeded 1.5s"
+    assert result.status == Status.completed and time.monotonic() - started < 15  # not the 20 s body
+
+
+def test_metadata_address_refused_before_any_connection(client, worker, spec):
+    meta = {"name": "meta", "description": "cloud metadata", "allow_hosts": ["169.254.169.254"],
+            "url": "http://169.254.169.254/latest/meta-data/"}  # fmt: skip
+    s = spec([tools(call("meta")), {"content": "done"}], http_tools=[meta])
+    result = client.submit(s).wait(timeout=60)
+    [record] = result.tool_calls
+    assert not record.success and "link-local or metadata" in record.error
+
+
+def test_worker_variables_only_where_the_operator_allows(deployment, spec, site, model_server):
+    bases = f"{model_server.api_base},http://{site}/items"  # the scripted model's too
+    d = deployment(TOOLOOP_ALLOWED_API_BASES=bases, TRACKER_API_KEY=SECRET)
+    d.start_worker("-c", "2")
+    auth = {"Authorization": "Bearer ${TRACKER_API_KEY}"}
+    ok = _tool(site, env_headers=auth)
+    result = d.client.submit(spec([tools(call("get_item", {"id": 1})), {"content": "done"}],
+                                  http_tools=[ok])).wait(timeout=60)  # fmt: skip
+    [record] = result.tool_calls
+    assert record.success and record.output["body"]["auth"] == f"Bearer {SECRET}"
+    # refused at submit: a URL outside TOOLOOP_ALLOWED_API_BASES, a variable outside the allowlist
+    outside = _tool(site, name="echo", url=f"http://{site}/echo", env_headers=auth)
+    key = _tool(site, env_headers={"X-Key": "${TOOLOOP_SECRET_KEY}"})
+    for declared, why in ((outside, "not under TOOLOOP_ALLOWED_API_BASES"),
+                          (key, "not allowed by TOOLOOP_ALLOWED_KEY_ENVS")):  # fmt: skip
+        with pytest.raises(SpecError, match=why):
+            d.client.submit(spec([{"content": "x"}], http_tools=[declared]))
+    # ...and by the worker, whatever the producer allowed: a producer with a wider setting
+    from orchestrator import Client
+    from orchestrator.store import RunStore
+
+    wider = d.settings.model_copy(update={"allowed_api_bases": f"{model_server.api_base},http://{site}"})
+    lax = Client(settings=wider, store=RunStore.from_settings(wider))
+    result = lax.submit(spec([tools(call("echo", {"id": 1})), {"content": "done"}],
+                             http_tools=[outside])).wait(timeout=60)  # fmt: skip
+    [record] = result.tool_calls
+    assert not record.success and "not under TOOLOOP_ALLOWED_API_BASES" in record.error
+
+
+def test_agent_folder_tool_files(client, worker, spec, site, tmp_path, monkeypatch):
+    folder = tmp_path / "agents" / "bot" / "tools"
+    folder.mkdir(parents=True)
+    (folder / "items.yaml").write_text(json.dumps(_tool(site)))
+    (tmp_path / "stray.yaml").write_text(json.dumps(_tool(site)))
+    monkeypatch.chdir(tmp_path)
+    s = spec([tools(call("get_item", {"id": 5})), {"content": "done"}],
+             http_tools=["agents/bot/tools/items.yaml"])
+    handle = client.submit(s)
+    assert handle.wait(timeout=60).tool_calls[0].output["body"]["path"] == "/items/5"
+    stored = client.store.spec(handle.run_id).http_tools
+    assert isinstance(stored[0], HttpTool) and stored[0].name == "get_item"  # read at submit, stored inline
+    (tmp_path / "agents" / "bot" / "skills").mkdir()
+    (tmp_path / "agents" / "bot" / "skills" / "items.yaml").write_text(json.dumps(_tool(site)))
+    for path, why in (("stray.yaml", "outside the agents folder"),
+                      ("agents/bot/skills/items.yaml", "not in an agent's tools folder")):  # fmt: skip
+        with pytest.raises(SpecError, match=why):
+            client.submit(spec([{"content": "x"}], http_tools=[path]))
+
+
+def test_submit_refuses_bad_declarations(client, spec, site):
+    cases = [
+        (_tool(site, allow_hosts=[]), "allow_hosts"),
+        (_tool(site, url="http://{q}/x"), "fixed host"),
+        (_tool(site, url=f"http://{site}/{{nope}}"), "placeholders"),
+        (_tool(site, name="add"), "catalog"),
+        (_tool(site, url="http://elsewhere.test/{id}"), "not in allow_hosts"),
+    ]
+    for declared, why in cases:
+        with pytest.raises(SpecError, match=why):
+            client.submit(spec([{"content": "x"}], http_tools=[declared], tools=["add"]))
+
+
+def test_check_target_rules():
+    tool = HttpTool.model_validate(_tool("api.example.test", allow_hosts=["api.example.test", "[::1]:8080"]))
+    settings = Settings()
+    check_target(tool, "https://api.example.test/items/1", settings)
+    check_target(tool, "http://[::1]:8080/x", settings)
+    for url in ("https://api.example.test.evil.net/", "https://evil.net/?h=api.example.test",
+                "http://[::1]:8081/x", "ftp://api.example.test/", "https://u:p@api.example.test/"):
+        with pytest.raises(Refused):
+            check_target(tool, url, settings)

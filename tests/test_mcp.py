@@ -1,0 +1,204 @@
+"""MCP servers as tool sources: real servers written with the SDK (tests/mcp_server.py),
+one over stdio (started by the worker, in the sandbox) and one over streamable HTTP on
+loopback; real workers, the scripted model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.local import free_port
+from orchestrator.models import Status
+from tests.helpers import call, tools, wait_for
+from worker.sandbox import UID_BASE, UID_SPAN
+
+SERVER = str(Path(__file__).with_name("mcp_server.py"))
+TOKEN = "tok-" + os.urandom(4).hex()
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    """The streamable-HTTP MCP server, on a free loopback port."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, SERVER, "--http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    import socket
+
+    def up() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(up, timeout=30)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def mcp_deployment(deployment, http_server, tmp_path):
+    config = {"mcpServers": {
+        "calc": {"command": "python", "args": [SERVER], "env": {"MCP_MARKER": "hello"}},
+        "web": {"url": http_server, "headers": {"X-Token": "MCP_TEST_TOKEN"}},
+    }}  # fmt: skip
+    path = tmp_path / "servers.yaml"  # YAML here; JSON in test_config_files_json_or_yaml
+    path.write_text(yaml.safe_dump(config))
+    d = deployment(TOOLOOP_MCP_SERVERS=str(path))
+    os.environ["MCP_TEST_TOKEN"] = TOKEN  # the worker reads it at call time, from its environment
+    try:
+        d.start_worker("-c", "2")
+    finally:
+        os.environ.pop("MCP_TEST_TOKEN")
+    return d
+
+
+def _run_folder(run_id: str) -> str:
+    return os.path.realpath(os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], run_id))
+
+
+def _processes_in(folder: str) -> list[int]:
+    """Processes whose working folder is ``folder`` (the run's MCP server, if any)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == folder:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_catalog_names_sources_and_schemas(mcp_deployment):
+    catalog = mcp_deployment.store.catalog()
+    add = catalog["calc__add"]
+    assert add["source"] == "mcp" and add["description"] == "Add two integers."
+    assert add["parameters"]["properties"]["a"]["type"] == "integer"
+    assert add["parameters"]["required"] == ["a", "b"]
+    assert catalog["web__token_header"]["source"] == "mcp"
+    assert catalog["read_file"]["source"] == "builtin" and catalog["add"]["source"] == "python"
+    published = mcp_deployment.store.redis.hgetall(mcp_deployment.store.keys.workers())
+    assert published and not any(TOKEN.encode() in value for value in published.values())  # never stored
+    # `tooloop tools`, from another process
+    env = {**os.environ, **mcp_deployment.env}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tools", "--json"], env=env,
+                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    listed = {t["name"]: t for t in json.loads(out.stdout)}
+    assert listed["calc__whoami"]["source"] == "mcp" and listed["shell"]["source"] == "builtin"
+    assert listed["calc__whoami"]["workers"] == [f"tools@{mcp_deployment.workers[0].name}"]
+    plain = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tools"], env=env,
+                           capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    assert any(line.split()[:2] == ["web__add", "mcp"] for line in plain.stdout.splitlines())
+
+
+def test_run_calls_stdio_and_http_servers(mcp_deployment, spec, model_server):
+    steps = [
+        tools(call("calc__add", {"a": 2, "b": 3}), call("web__add", {"a": 4, "b": 3}),
+              call("calc__whoami"), call("web__token_header")),
+        {"content": "done"},
+    ]  # fmt: skip
+    s = spec(steps, tools=["calc__add", "web__add", "calc__whoami", "web__token_header"])
+    handle = mcp_deployment.client.submit(s)
+    result = handle.wait(timeout=90)
+    assert result.status == Status.completed, result
+    add, web_add, who, token = result.tool_calls
+    assert (add.success, add.output, web_add.success, web_add.output) == (True, 5, True, 7)
+    assert token.success and token.output == TOKEN  # header from the worker's environment
+    # the stdio server ran in the sandbox: the run's folder, its own uid, allowlisted env
+    assert who.success and who.output["cwd"] == _run_folder(handle.run_id)
+    assert who.output["marker"] == "hello"
+    assert "OPENAI_API_KEY" not in who.output["env"] and "MCP_TEST_TOKEN" not in who.output["env"]
+    if os.geteuid() == 0:
+        assert UID_BASE <= who.output["uid"] < UID_BASE + UID_SPAN
+    # the model saw the schemas the servers published
+    first = model_server.calls(s["model"])[0]
+    names = {t["function"]["name"]: t["function"] for t in first["tools"]}
+    assert names["calc__add"]["parameters"]["properties"]["b"]["type"] == "integer"
+    assert set(names["calc__add"]) == {"name", "description", "parameters"}
+
+
+def test_errors_and_a_dead_server_are_failed_records(mcp_deployment, spec, model_server):
+    steps = [
+        tools(call("calc__fail", {"message": "nope"}), call("calc__add", {"a": "x"}),
+              call("calc__protocol_error")),
+        tools(call("calc__die")),
+        tools(call("calc__add", {"a": 1, "b": 1})),  # the next call starts the server again
+        {"content": "done"},
+    ]
+    s = spec(steps, tools=["calc__fail", "calc__add", "calc__die", "calc__protocol_error"])
+    result = mcp_deployment.client.submit(s).wait(timeout=90)
+    assert result.status == Status.completed, result
+    failed, invalid, protocol, died, again = result.tool_calls
+    assert not failed.success and failed.error.startswith("McpToolError:")
+    assert not invalid.success and "McpToolError" in invalid.error and "validation" in invalid.error
+    assert not protocol.success and protocol.error == "McpError: quota exhausted"
+    assert not died.success and died.error.startswith("ServerDied:")
+    assert again.success and again.output == 2
+    # each failure reached the model as a tool message
+    second = model_server.calls(s["model"])[1]["messages"]
+    errors = [m["content"][:13] for m in second if m["role"] == "tool"]
+    assert errors == ["Error: McpToo", "Error: McpToo", "Error: McpErr"]
+
+
+def test_one_server_process_per_run_closed_when_the_run_ends(mcp_deployment, spec):
+    steps = [tools(call("calc__whoami")), tools(call("calc__whoami"), call("calc__whoami")),
+             {"content": "done"}]  # fmt: skip
+    first = mcp_deployment.client.submit(spec(steps, tools=["calc__whoami"]))
+    second = mcp_deployment.client.submit(spec(steps, tools=["calc__whoami"]))
+    results = [first.wait(timeout=90), second.wait(timeout=90)]
+    instances = [{c.output["instance"] for c in r.tool_calls} for r in results]
+    assert [len(i) for i in instances] == [1, 1]  # three calls, one server process, per run
+    assert instances[0] != instances[1]
+    for handle in (first, second):  # closed once the run ended
+        wait_for(lambda h=handle: not _processes_in(_run_folder(h.run_id)), timeout=20)
+
+
+def test_time_limit_and_worker_stop_leave_no_server(mcp_deployment, spec):
+    s = spec([tools(call("calc__slow", {"seconds": 60})), {"content": "done"}],
+             tools=["calc__slow"], tool_timeout_s=2)  # fmt: skip
+    result = mcp_deployment.client.submit(s).wait(timeout=60)
+    [slow] = result.tool_calls
+    assert not slow.success and slow.error.startswith("Timeout:")
+    # a call in flight when the worker stops: its server does not outlive the worker
+    s = spec([tools(call("calc__slow", {"seconds": 120})), {"content": "done"}], tools=["calc__slow"])
+    handle = mcp_deployment.client.submit(s)
+    folder = _run_folder(handle.run_id)
+    wait_for(lambda: _processes_in(folder), timeout=30)
+    mcp_deployment.stop()
+    stopped = time.monotonic()
+    wait_for(lambda: not _processes_in(folder), timeout=10)
+    print(f"server gone {time.monotonic() - stopped:.2f}s after the worker")
+
+
+def test_config_files_json_or_yaml(tmp_path):
+    from worker.sources.mcp_config import McpConfigError, load_servers, tool_name
+
+    config = {"mcpServers": {"files": {"command": "python", "args": ["-m", "srv"], "env": {"A": "1"}},
+                             "web": {"url": "https://h.test/mcp", "headers": {"Authorization": "WEB_TOKEN"}}}}
+    for name, text in (("s.json", json.dumps(config)), ("s.yaml", yaml.safe_dump(config))):
+        (tmp_path / name).write_text(text)
+        files, web = load_servers(str(tmp_path / name))
+        assert (files.stdio, files.command, files.args) == (True, "python", ("-m", "srv"))
+        assert files.env == {"A": "1"} and (web.stdio, web.url) == (False, "https://h.test/mcp")
+        assert web.headers == {"Authorization": "WEB_TOKEN"}  # a variable's name, never its value
+    bad = {
+        "both": ({"x": {"command": "a", "url": "http://h/"}}, "either `command`"),
+        "header": ({"x": {"url": "http://h/", "headers": {"A": "Bearer abc"}}}, "name environment variables"),
+        "scheme": ({"x": {"url": "ftp://h/"}}, "http:// or https://"),
+        "name": ({"a__b": {"command": "a"}}, "no '__'"),
+        "field": ({"x": {"command": "a", "cwd": "/"}}, "unknown field"),
+    }
+    for case, (servers, why) in bad.items():
+        (tmp_path / f"{case}.json").write_text(json.dumps({"mcpServers": servers}))
+        with pytest.raises(McpConfigError, match=why):
+            load_servers(str(tmp_path / f"{case}.json"))
+    (tmp_path / "broken.yaml").write_text("mcpServers: [")
+    with pytest.raises(McpConfigError, match="not valid YAML"):
+        load_servers(str(tmp_path / "broken.yaml"))
+    assert tool_name("calc", "add") == "calc__add" and tool_name("calc", "read.file") is None

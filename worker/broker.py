@@ -1,0 +1,130 @@
+"""What depends on the broker: RabbitMQ (AMQP) or Redis (kombu's Redis transport).
+
+RabbitMQ: the turn and tool queues are **quorum queues** (replicated, durable,
+with a delivery count):
+- ``x-delivery-limit``: a message returned this many times (its consumer lost,
+  e.g. a worker killed while holding it) is dropped instead of looping; the
+  step it carried is still in Redis under a lease, so the sweeper re-sends it.
+- ``x-consumer-timeout``: a delivery unacked for longer closes its channel. Tool
+  tasks are acked after they ran (acks-late), so it must outlast the longest
+  tool call; the queue argument is honoured from RabbitMQ 3.11.15/3.12 on, older
+  servers only have the server-wide ``consumer_timeout`` (rabbitmq.conf, default
+  30 min): deploy/rabbitmq.conf sets both to the same bound.
+- quorum queues have no global QoS: Celery (``worker_detect_quorum_queues``)
+  then sets the prefetch per consumer, which is what prefetch multiplier 1 wants.
+- publisher confirms: a send returns once RabbitMQ has the message.
+- every queue is declared when a worker starts (``declare_all``), not only the queues
+  it consumes: Celery's native delayed delivery binds *every* queue's exchange at start,
+  and a turns-only or tools-only worker on a fresh vhost would otherwise fail to bind
+  the other queue's exchange (its countdowns then had nowhere to go).
+
+Redis: kombu's own transport options (key prefix, visibility timeout) and the
+workarounds in ``worker.app``; none of them applies to AMQP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+from urllib.parse import urlsplit
+
+from celery import signals
+from kombu import Exchange, Queue
+
+from orchestrator.keys import Keys
+
+AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
+# A broker message held unacked this long is presumed lost by the transport (the
+# lease sweeper usually re-sends the step long before). Far above any tool call.
+DELIVERY_TIMEOUT_S = 6 * 3600
+DELIVERY_LIMIT = 5  # deliveries of one message (RabbitMQ quorum queues)
+
+
+def is_amqp(url: str) -> bool:
+    return urlsplit(url).scheme in AMQP_SCHEMES
+
+
+def queue_arguments(broker_url: str) -> dict[str, Any] | None:
+    if not is_amqp(broker_url):
+        return None
+    return {
+        "x-queue-type": "quorum",
+        "x-delivery-limit": DELIVERY_LIMIT,
+        "x-consumer-timeout": DELIVERY_TIMEOUT_S * 1000,
+    }
+
+
+def queues(keys: Keys, broker_url: str) -> list[Queue]:
+    """The turn and tool queues, declared by every worker and producer."""
+    arguments = queue_arguments(broker_url)
+    # An exchange per queue: with Celery's default, both queues would be bound to the
+    # turns queue's exchange and key, and RabbitMQ would copy every turn to the tools queue.
+    # Topic on RabbitMQ: Celery's native delayed delivery (countdown/ETA with quorum
+    # queues) binds only topic exchanges, and warns at every start about direct ones.
+    return [_queue(name, arguments) for name in (keys.turn_queue, keys.tool_queue)]
+
+
+def tool_queue(keys: Keys, broker_url: str, tool: str) -> Queue:
+    """One tool's own queue (a call goes only to workers that have its tool), declared
+    like the shared ones: its own exchange, quorum on RabbitMQ."""
+    return _queue(keys.tool_queue_of(tool), queue_arguments(broker_url))
+
+
+def _queue(name: str, arguments: dict[str, Any] | None) -> Queue:
+    kind = "topic" if arguments else "direct"
+    return Queue(name, Exchange(name, type=kind), routing_key=name, queue_arguments=arguments)
+
+
+def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Celery settings that depend on the broker (``transport``: options its URL needs)."""
+    common = {"task_queues": queues(keys, broker_url), "task_default_queue": keys.turn_queue}
+    if is_amqp(broker_url):
+        return {
+            **common,
+            "task_default_queue_type": "quorum",
+            "worker_detect_quorum_queues": True,
+            "broker_transport_options": {"confirm_publish": True, **(transport or {})},
+        }
+    return {
+        **common,
+        "broker_transport_options": {
+            "global_keyprefix": keys.broker_prefix,
+            "visibility_timeout": DELIVERY_TIMEOUT_S,
+            **(transport or {}),
+        },
+    }
+
+
+def queue_depths(app: Any, names: list[str]) -> dict[str, int | None]:
+    """Messages waiting in each queue, whatever the broker (None: not declared yet)."""
+    depths: dict[str, int | None] = {}
+    with app.connection_for_read() as conn:
+        for name in names:
+            channel = conn.channel()  # a channel per look: AMQP closes it on a missing queue
+            try:
+                depths[name] = channel.queue_declare(name, passive=True).message_count
+            except conn.channel_errors:  # never declared (Redis: no message waiting)
+                depths[name] = None
+            finally:
+                with contextlib.suppress(*conn.channel_errors):
+                    channel.close()
+    return depths
+
+
+def purge(app: Any, name: str) -> int:
+    """Drop every message waiting in one queue; returns how many."""
+    with app.connection_for_write() as conn:
+        return conn.default_channel.queue_purge(name) or 0
+
+
+def declare_all(app: Any) -> None:
+    """Declare every task queue with its exchange and binding (idempotent)."""
+    with app.connection_for_write() as conn:
+        for queue in app.amqp.queues.values():
+            queue(conn.default_channel).declare()
+
+
+@signals.celeryd_after_setup.connect
+def _declare_before_delayed_delivery(sender: str, instance: Any, **_: Any) -> None:
+    if is_amqp(instance.app.conf.broker_url or ""):
+        declare_all(instance.app)
