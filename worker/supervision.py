@@ -200,10 +200,11 @@ def on_error(store: RunStore, run_id: str, iteration: int, judge: JudgeSpec, exc
 
 
 def with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
-    """Run ``fn`` in a helper thread; ``TimeoutError`` if it has not returned in time.
+    """Run ``fn`` in a helper thread; a ``Timeout`` model error if it has not returned in time.
 
-    The litellm ``timeout`` param should end the call soon after; the thread is a
-    daemon, so a provider that ignores it cannot hold the worker at shutdown.
+    The litellm ``timeout`` param should end the call about then, with the same
+    ``Timeout`` name whichever fires first; the thread is a daemon, so a provider
+    that ignores it cannot hold the worker at shutdown.
     """
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -218,7 +219,7 @@ def with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
 
     threading.Thread(target=call, name="tooloop-judge-call", daemon=True).start()
     if not done.wait(timeout_s):
-        raise TimeoutError(f"judge did not answer within {timeout_s:g}s")
+        raise llm.ModelError("Timeout", f"judge did not answer within {timeout_s:g}s", retryable=True)
     if "error" in box:
         raise box["error"]
     return box["value"]
