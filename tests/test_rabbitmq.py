@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from kombu import Connection
@@ -82,6 +83,32 @@ def test_a_message_past_its_delivery_limit_is_dropped_and_the_sweeper_resends(de
     assert recovery and {(e["step"], e["iteration"]) for e in recovery} == {("turn", "1")}
 
 
+def test_a_frozen_worker_hands_back_the_messages_it_holds_within_a_lease(deployment, amqp_url, spec):
+    """A frozen or cut-off worker keeps the messages it took but never started until
+    RabbitMQ closes its connection. The AMQP heartbeat (a third of a lease) bounds that;
+    with Celery's default, RabbitMQ waited 60 s and the run with it (bench/chaos.py)."""
+    d = deployment(TOOLOOP_BROKER_URL=amqp_url, TOOLOOP_RECOVERY_S="6")  # 3 s leases: 2 s heartbeat
+    worker = d.start_worker("-c", "2")
+    queue = d.store.keys.turn_queue
+
+    def ready_and_consumers() -> tuple[int, int]:
+        with Connection(amqp_url) as conn:
+            _, ready, consumers = conn.default_channel.queue_declare(queue, passive=True)
+            return ready, consumers
+
+    worker.freeze()  # no sweeper anywhere: only RabbitMQ can hand the message back
+    try:
+        handle = d.client.submit(spec([{"content": "back"}]))
+        wait_for(lambda: ready_and_consumers() == (0, 1), timeout=10)  # pushed to the frozen worker
+        frozen = time.monotonic()
+        wait_for(lambda: ready_and_consumers() == (1, 0), timeout=30)
+        assert time.monotonic() - frozen < 12  # heartbeat 2 s: dropped after two missed
+    finally:
+        worker.thaw()
+    result = handle.wait(timeout=60)  # the worker reconnects and takes it again
+    assert (result.status, result.content) == (Status.completed, "back")
+
+
 def test_flower_follows_a_run_over_rabbitmq_without_the_management_api(deployment, amqp_url, spec):
     """Events go over the broker (Celery's event exchange); Flower needs no --broker-api."""
     import httpx
@@ -144,6 +171,7 @@ def test_celery_settings_follow_the_broker():
     assert turns.queue_arguments["x-queue-type"] == "quorum"
     assert turns.queue_arguments["x-consumer-timeout"] > 3600 * 1000
     assert turns.queue_arguments["x-delivery-limit"] == DELIVERY_LIMIT
+    assert amqp.broker_heartbeat == 10  # a third of the default 30 s lease
     redis_conf = make_app(Settings(broker_url="redis://127.0.0.1:6379/0", key_prefix="p")).conf
     assert redis_conf.broker_transport_options["global_keyprefix"] == "p:celery:"
     assert all(q.queue_arguments is None for q in redis_conf.task_queues)

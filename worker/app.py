@@ -113,7 +113,7 @@ def make_app(settings: Settings | None = None) -> Celery:
         # None would disable the pool: a new connection per publish (~8 ms each here).
         broker_pool_limit=256,
         # Both queues declared: a plain `celery -A worker.app worker` serves turns and tools.
-        **broker.conf(keys, urls.broker, urls.broker_transport),
+        **broker.conf(keys, urls.broker, urls.broker_transport, settings.lease_s),
         task_routes={TURN_TASK: {"queue": keys.turn_queue}, TOOL_TASK: {"queue": keys.tool_queue}},
         # Task events cost ~4 Redis PUBLISHes and a fifth of a worker's CPU per task:
         # off until a monitor asks. Flower does (it broadcasts `enable_events` every 5 s,

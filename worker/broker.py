@@ -75,7 +75,8 @@ def _queue(name: str, arguments: dict[str, Any] | None) -> Queue:
     return Queue(name, Exchange(name, type=kind), routing_key=name, queue_arguments=arguments)
 
 
-def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None) -> dict[str, Any]:
+def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None,
+         lease_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """The Celery settings that depend on the broker (``transport``: options its URL needs)."""
     common = {"task_queues": queues(keys, broker_url), "task_default_queue": keys.turn_queue}
     if is_amqp(broker_url):
@@ -83,6 +84,7 @@ def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None) -
             **common,
             "task_default_queue_type": "quorum",
             "worker_detect_quorum_queues": True,
+            "broker_heartbeat": heartbeat_s(lease_s),
             "broker_transport_options": {"confirm_publish": True, **(transport or {})},
         }
     return {
@@ -93,6 +95,18 @@ def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None) -
             **(transport or {}),
         },
     }
+
+
+def heartbeat_s(lease_s: float) -> int:
+    """The AMQP heartbeat a worker asks for: a third of a lease, 2..60 s.
+
+    Messages a worker holds unacked but has not started (its prefetch; a turn pool
+    holds many) come back to the queue only when RabbitMQ closes its connection, and
+    the sweeper leaves them alone while they may be in a queue. With Celery's default
+    (120 s, cut to RabbitMQ's 60 s) a frozen or cut-off worker's runs stalled 2 minutes
+    and more in ``bench/chaos.py --broker amqp://``; a third of the lease drops the
+    connection about when the steps it had started are due for recovery anyway."""
+    return int(min(60, max(2, lease_s / 3)))
 
 
 def queue_depths(app: Any, names: list[str]) -> dict[str, int | None]:
