@@ -164,7 +164,8 @@ def test_celery_settings_follow_the_broker():
     from orchestrator.settings import Settings
     from worker.app import make_app
 
-    amqp = make_app(Settings(broker_url="amqp://guest:guest@127.0.0.1:5672//", key_prefix="p")).conf
+    amqp = make_app(Settings(broker_url="amqp://guest:guest@127.0.0.1:5672//", key_prefix="p",
+                             recovery_s=60)).conf  # fmt: skip
     assert amqp.task_default_queue_type == "quorum"
     assert amqp.broker_transport_options == {"confirm_publish": True}
     turns = {q.name: q for q in amqp.task_queues}["p.turns"]
