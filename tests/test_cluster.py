@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -303,3 +304,25 @@ def test_cluster_primary_fails_over_mid_run(deployment, spec, cluster):
         assert result.tokens_used == 30 * result.iterations  # each reply billed once
         assert len(result.tool_calls) == turns
         assert sorted(effects(handle.run_id)) == [f"r{i}-t{t}" for t in range(turns)]  # each effect once
+
+
+def test_a_forked_call_forgets_the_cluster_clients_password(cluster):
+    """The fork layer's child drops the store client's credentials (worker/sandbox/forget.py):
+    on a cluster client they sit in the nodes manager and in every node's pool and connection."""
+    from orchestrator.connections import connect
+    from tests.hostile_tools import _shown
+    from worker.sandbox.forget import _forget_client
+
+    password = f"hunter2-{uuid.uuid4().hex[:6]}"  # the default user is nopass: any password works
+    client = connect(cluster.url.replace("redis://", f"redis://default:{password}@"))
+    client.ping()  # every node's pool holds a connection now
+
+    def held() -> str:
+        nodes = client.nodes_manager.nodes_cache.values()
+        objects = [client.nodes_manager, *(n.redis_connection.connection_pool for n in nodes)]
+        objects += [c for n in nodes for c in n.redis_connection.connection_pool._available_connections]
+        return "\n".join(_shown(o) for o in objects)
+
+    assert password in held()  # the control: the hunt finds it before
+    _forget_client(client)
+    assert password not in held()

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import redis
 
 from orchestrator import Client
 from orchestrator.models import SandboxPolicy
@@ -588,7 +589,10 @@ def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
     monkeypatch.setattr(worker_app.app, "tooloop_settings", get_settings())
     for name in ("broker_url", "result_backend"):
         monkeypatch.setitem(worker_app.app.conf, name, url)
-    worker_app.get_store()
+    pool = worker_app.get_store().redis.connection_pool
+    with contextlib.suppress(redis.ConnectionError):  # a connection made (it copies the password),
+        pool.get_connection()  # left idle in the pool: nothing listens there
+    assert pool._available_connections, "the pool kept no connection: the hunt would miss one"
     sealing.seal("x", tenant="t")
     try:
         yield password, key

@@ -43,14 +43,33 @@ def forget_worker_state() -> None:
         secrets._fernet.cache_clear()  # Fernet objects derived from the sealing key
 
 
+CONNECTION_FIELDS = ("password", "username", "host", "port", "path", "credential_provider")
+
+
 def _forget_client(client: Any) -> None:
-    """A redis-py client: its pool's connection arguments (host, password) emptied."""
-    _forget_kwargs(getattr(getattr(client, "connection_pool", None), "connection_kwargs", None))
+    """A redis-py client (plain or cluster): the connection arguments of its pools and of
+    every connection they made (a connection copies the password) emptied."""
+    _forget_kwargs(getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None))
+    for pool in _pools(client):
+        _forget_kwargs(getattr(pool, "connection_kwargs", None))
+        made = [*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ()),
+                *getattr(pool, "_connections", ())]  # (the last: a BlockingConnectionPool's) # fmt: skip
+        for connection in made:
+            for name in (*CONNECTION_FIELDS, "_host"):
+                if name in connection.__dict__:
+                    connection.__dict__[name] = None
+
+
+def _pools(client: Any) -> list[Any]:
+    """A client's connection pools: its own, or one per node of a cluster client."""
+    nodes = getattr(getattr(client, "nodes_manager", None), "nodes_cache", None) or {}
+    clients = [client, *(getattr(node, "redis_connection", None) for node in nodes.values())]
+    return [pool for c in clients if (pool := getattr(c, "connection_pool", None)) is not None]
 
 
 def _forget_kwargs(kwargs: Any) -> None:
     if isinstance(kwargs, dict):
-        for key in ("password", "username", "host", "port", "path", "credential_provider"):
+        for key in CONNECTION_FIELDS:
             kwargs.pop(key, None)
 
 
