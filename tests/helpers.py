@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -75,3 +80,53 @@ def assert_done(result, n: int = 3) -> None:
     assert (result.status, result.content) == (Status.completed, "done")
     assert [r.output for r in result.tool_calls] == [i + 1 for i in range(n)]
     assert result.tokens_used == 30 * result.iterations
+
+
+@contextlib.contextmanager
+def flower(env: dict[str, str] | None = None) -> Iterator[str]:
+    """``tooloop flower`` on a free port (``env``: over this process's); yields its base URL
+    once it answers."""
+    import httpx
+
+    from orchestrator.local import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "orchestrator.cli", "flower", f"--port={port}", "--address=127.0.0.1"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (python -m finds tests.tools)
+    proc = subprocess.Popen(command, cwd=root, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            return httpx.get(base + "/healthcheck", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(answers, timeout=30)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def flower_tasks(base: str, run_id: str) -> list[dict]:
+    """The tasks of one run, as Flower's API shows them."""
+    import httpx
+
+    return [t for t in httpx.get(base + "/api/tasks", timeout=5).json().values() if run_id in t["uuid"]]
+
+
+def once_flower_shows(submit: Callable[[], str], shown: Callable[[str], Any]) -> Any:
+    """Submit runs (``submit`` returns an ended run's id) until ``shown(run_id)`` finds it in
+    Flower, and return what it found: Flower's event receiver may start a moment late."""
+
+    def attempt() -> Any:
+        run_id = submit()
+        try:
+            return wait_for(lambda: shown(run_id), timeout=5)
+        except AssertionError:
+            return None
+
+    return wait_for(attempt, timeout=60)

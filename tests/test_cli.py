@@ -17,7 +17,7 @@ import pytest
 from orchestrator import Status
 from orchestrator.views import event_line
 from tests.conftest import ROOT
-from tests.helpers import gate, wait_for
+from tests.helpers import flower, flower_tasks, gate, once_flower_shows, wait_for
 
 
 def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 60):
@@ -300,43 +300,15 @@ def test_list_by_tenant_finds_a_small_tenant_among_busy_ones(client, worker, spe
 
 def test_flower_sees_the_tasks_of_a_run(client, worker, spec) -> None:
     """`tooloop flower` on this app: task events reach it; its API answers without auth set."""
-    import httpx
 
-    from orchestrator.local import free_port
+    def submit() -> str:
+        handle = client.submit(spec([add_call(), {"content": "5"}], tools=["add"]))
+        handle.wait(timeout=30)
+        return handle.run_id
 
-    port = free_port()
-    command = [sys.executable, "-m", "orchestrator.cli", "flower", f"--port={port}", "--address=127.0.0.1"]
-    flower = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(base + "/healthcheck"), timeout=30)
-
-        def seen(run_id: str) -> set[str]:
-            found = httpx.get(base + "/api/tasks", timeout=5).json()
-            return {t["name"] for t in found.values() if run_id in t["uuid"]}
-
-        def a_run_shows_up() -> bool:  # Flower's event receiver may start a moment late
-            handle = client.submit(spec([add_call(), {"content": "5"}], tools=["add"]))
-            handle.wait(timeout=30)
-            try:
-                return bool(wait_for(lambda: seen(handle.run_id) >= {"tooloop.turn", "tooloop.tool"},
-                                     timeout=5))  # fmt: skip
-            except AssertionError:
-                return False
-
-        assert wait_for(a_run_shows_up, timeout=60)
-    finally:
-        flower.terminate()
-        flower.wait(timeout=20)
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with flower() as base:
+        names = once_flower_shows(submit, lambda run_id: {t["name"] for t in flower_tasks(base, run_id)})
+        assert names >= {"tooloop.turn", "tooloop.tool"}
 
 
 def test_control_and_status_commands_do_not_import_litellm() -> None:

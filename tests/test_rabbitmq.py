@@ -18,7 +18,7 @@ import pytest
 from kombu import Connection
 
 from orchestrator import Status
-from tests.helpers import call, tools, wait_for
+from tests.helpers import call, flower, flower_tasks, once_flower_shows, tools, wait_for
 from worker.broker import DELIVERY_LIMIT, queue_arguments
 
 
@@ -113,40 +113,20 @@ def test_flower_follows_a_run_over_rabbitmq_without_the_management_api(deploymen
     """Events go over the broker (Celery's event exchange); Flower needs no --broker-api."""
     import httpx
 
-    from orchestrator.local import free_port
-    from tests.test_cli import _answers
-
     d = deployment(TOOLOOP_BROKER_URL=amqp_url)
     d.start_worker("-c", "2")
-    port = free_port()
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "flower", f"--port={port}", "--address=127.0.0.1"],
-        env={**os.environ, **d.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(base + "/healthcheck"), timeout=30)
 
-        def seen(run_id: str) -> set[str]:
-            found = httpx.get(base + "/api/tasks", timeout=5).json()
-            return {t["name"] for t in found.values() if run_id in t["uuid"]}
+    def submit() -> str:
+        s = spec([tools(call("add", {"a": 1, "b": 2})), {"content": "3"}], tools=["add"])
+        handle = d.client.submit(s)
+        assert handle.wait(timeout=30).content == "3"
+        return handle.run_id
 
-        def a_run_shows_up() -> bool:  # Flower's event receiver may start a moment late
-            handle = d.client.submit(spec([tools(call("add", {"a": 1, "b": 2})), {"content": "3"}],
-                                          tools=["add"]))  # fmt: skip
-            assert handle.wait(timeout=30).content == "3"
-            try:
-                return bool(wait_for(lambda: seen(handle.run_id) >= {"tooloop.turn", "tooloop.tool"},
-                                     timeout=5))  # fmt: skip
-            except AssertionError:
-                return False
-
-        assert wait_for(a_run_shows_up, timeout=60)
+    with flower(d.env) as base:
+        names = once_flower_shows(submit, lambda run_id: {t["name"] for t in flower_tasks(base, run_id)})
+        assert names >= {"tooloop.turn", "tooloop.tool"}
         workers = httpx.get(base + "/api/workers", params={"refresh": "true"}, timeout=10).json()
         assert any(name.startswith("tools@") for name in workers)  # remote control over the broker too
-    finally:
-        flower.terminate()
-        flower.wait(timeout=20)
 
 
 PATCHED = "import worker.app, kombu.transport.redis as r; print(getattr(r.Channel, '_tooloop_patched', 0))"

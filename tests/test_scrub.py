@@ -4,11 +4,8 @@ the API and the task arguments Flower shows."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +13,7 @@ import pytest
 from orchestrator import Status
 from orchestrator.scrub import MASK, SHORT_MASK, ScrubFilter, scrub_text, scrub_value
 from tests.conftest import free_port
-from tests.helpers import call, redis_values, tools, wait_for
+from tests.helpers import call, flower, flower_tasks, once_flower_shows, redis_values, tools, wait_for
 from tests.tools import LEAKED
 
 # -- the patterns -----------------------------------------------------------------------------
@@ -218,48 +215,25 @@ def test_arguments_holding_a_secret_travel_sealed(client, worker, spec, store, m
 
 # -- Flower ------------------------------------------------------------------------------------------
 def test_flower_shows_tool_task_arguments_masked(client, worker, spec):
-    from tests.conftest import ROOT
+    def submit() -> str:
+        bindings = {"db": f"postgres://app:{LEAKED['password']}@db/app", "password": LEAKED["password"]}
+        text = f"token={LEAKED['github']}"
+        s = spec([tools(call("fingerprint", {"text": text})), {"content": "3"}], tools=["fingerprint"],
+                 context={"resource_bindings": bindings})  # fmt: skip
+        handle = client.submit(s)
+        handle.wait(timeout=30)
+        return handle.run_id
 
-    port = free_port()
-    command = [sys.executable, "-m", "orchestrator.cli", "flower", f"--port={port}", "--address=127.0.0.1"]
-    flower = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _answers(base + "/healthcheck"), timeout=30)
+    def tool_args(run_id: str) -> str | None:
+        args = [t.get("args") for t in flower_tasks(base, run_id) if t["name"] == "tooloop.tool"]
+        return next((a for a in args if a), None)
 
-        def tool_task_args() -> str | None:  # Flower's receiver may start a moment late: retry
-            bindings = {"db": f"postgres://app:{LEAKED['password']}@db/app", "password": LEAKED["password"]}
-            text = f"token={LEAKED['github']}"
-            s = spec([tools(call("fingerprint", {"text": text})), {"content": "3"}], tools=["fingerprint"],
-                     context={"resource_bindings": bindings})  # fmt: skip
-            handle = client.submit(s)
-            handle.wait(timeout=30)
-            try:
-                return wait_for(lambda: _tool_args(base, handle.run_id), timeout=5)
-            except AssertionError:
-                return None
-
-        shown = wait_for(tool_task_args, timeout=60)
-        # the message names the call (bindings, policy, folder are read from the stored spec);
-        # the model's arguments are shown sealed, as they travel
-        assert "'tool': 'fingerprint'" in shown and "'key': '1.0'" in shown
-        assert "'arguments': 'sealed:v2:" in shown and "bindings" not in shown
-        assert LEAKED["password"][:8] not in shown and secrets_in(shown) == []
-    finally:
-        flower.terminate()
-        flower.wait(timeout=20)
+    with flower() as base:
+        shown = once_flower_shows(submit, tool_args)
+    # the message names the call (bindings, policy, folder are read from the stored spec);
+    # the model's arguments are shown sealed, as they travel
+    assert "'tool': 'fingerprint'" in shown and "'key': '1.0'" in shown
+    assert "'arguments': 'sealed:v2:" in shown and "bindings" not in shown
+    assert LEAKED["password"][:8] not in shown and secrets_in(shown) == []
 
 
-def _tool_args(base: str, run_id: str) -> str | None:
-    tasks: dict[str, Any] = httpx.get(base + "/api/tasks", timeout=5).json()
-    for task in tasks.values():
-        if task["name"] == "tooloop.tool" and run_id in task["uuid"] and task.get("args"):
-            return task["args"]
-    return None
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
