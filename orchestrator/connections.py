@@ -193,20 +193,52 @@ def failover_retry() -> Any:
     return Retry(ExponentialBackoff(cap=1.0, base=0.1), FAILOVER_RETRIES)
 
 
+CONNECTION_FIELDS = ("password", "username", "host", "port", "path", "credential_provider")
+
+
+def forget_credentials(client: Any) -> None:
+    """Empty what a redis-py client (plain or cluster) holds of its server's address and
+    credentials: the connection arguments of its pools and of every connection they made
+    (a connection copies the password). For the fork layer's tool calls
+    (worker/sandbox/forget.py), and for clients dropped while the process lives on."""
+    nodes_manager = getattr(client, "nodes_manager", None)
+    for key in CONNECTION_FIELDS:
+        getattr(nodes_manager, "connection_kwargs", {}).pop(key, None)
+    for pool in _pools(client):
+        for key in CONNECTION_FIELDS:
+            pool.connection_kwargs.pop(key, None)
+        made = [*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ()),
+                *getattr(pool, "_connections", ())]  # (the last: a BlockingConnectionPool's) # fmt: skip
+        for connection in made:
+            for name in (*CONNECTION_FIELDS, "_host"):
+                if name in connection.__dict__:
+                    connection.__dict__[name] = None
+
+
+def _pools(client: Any) -> list[Any]:
+    """A client's connection pools: its own, or one per node of a cluster client."""
+    nodes = getattr(getattr(client, "nodes_manager", None), "nodes_cache", None) or {}
+    clients = [client, *(getattr(node, "redis_connection", None) for node in nodes.values())]
+    return [pool for c in clients if (pool := getattr(c, "connection_pool", None)) is not None]
+
+
 def is_cluster(url: str) -> bool:
     """Whether the Redis at ``url`` is a node of a Redis Cluster (asked once per process)."""
     if urlsplit(url).scheme not in ("redis", "rediss"):
         return False
     if url not in _cluster_urls:
+        probe = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         try:
-            with redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5) as probe:
-                info = probe.info("cluster")
+            info = probe.info("cluster")
         except redis.ConnectionError:
             return False  # not answering yet: ask again next time, the caller's client will fail
         except redis.ResponseError as exc:  # e.g. an ACL user without +info
             log.warning("cannot tell whether %s is a Redis Cluster (%s): assuming it is not",
                         redact(url), exc)  # fmt: skip
             info = {}
+        finally:  # closed, it lingers as cyclic garbage until collected: a forked tool call copies it
+            probe.close()
+            forget_credentials(probe)
         _cluster_urls[url] = bool(info.get("cluster_enabled"))
     return _cluster_urls[url]
 

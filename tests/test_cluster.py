@@ -309,9 +309,8 @@ def test_cluster_primary_fails_over_mid_run(deployment, spec, cluster):
 def test_a_forked_call_forgets_the_cluster_clients_password(cluster):
     """The fork layer's child drops the store client's credentials (worker/sandbox/forget.py):
     on a cluster client they sit in the nodes manager and in every node's pool and connection."""
-    from orchestrator.connections import connect
+    from orchestrator.connections import connect, forget_credentials
     from tests.hostile_tools import _shown
-    from worker.sandbox.forget import _forget_client
 
     password = f"hunter2-{uuid.uuid4().hex[:6]}"  # the default user is nopass: any password works
     client = connect(cluster.url.replace("redis://", f"redis://default:{password}@"))
@@ -324,5 +323,5 @@ def test_a_forked_call_forgets_the_cluster_clients_password(cluster):
         return "\n".join(_shown(o) for o in objects)
 
     assert password in held()  # the control: the hunt finds it before
-    _forget_client(client)
+    forget_credentials(client)
     assert password not in held()

@@ -11,6 +11,7 @@ driven by the scripted model.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
@@ -582,21 +583,23 @@ def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
 
     password, key = f"hunter2-{uuid.uuid4().hex[:6]}", f"sealing-{uuid.uuid4().hex[:6]}"
     url = f"redis://:{password}@127.0.0.1:6390/0"
-    monkeypatch.setenv("TOOLOOP_SECRET_KEY", key)
-    monkeypatch.setenv("TOOLOOP_REDIS_URL", url)
-    get_settings.cache_clear()
-    worker_app.get_store.cache_clear()
-    monkeypatch.setattr(worker_app.app, "tooloop_settings", get_settings())
-    for name in ("broker_url", "result_backend"):
-        monkeypatch.setitem(worker_app.app.conf, name, url)
-    pool = worker_app.get_store().redis.connection_pool
-    with contextlib.suppress(redis.ConnectionError):  # a connection made (it copies the password),
-        pool.get_connection()  # left idle in the pool: nothing listens there
-    assert pool._available_connections, "the pool kept no connection: the hunt would miss one"
-    sealing.seal("x", tenant="t")
+    gc.disable()  # garbage not yet collected is copied by a fork too: the hunt must not depend on when
     try:
+        monkeypatch.setenv("TOOLOOP_SECRET_KEY", key)
+        monkeypatch.setenv("TOOLOOP_REDIS_URL", url)
+        get_settings.cache_clear()
+        worker_app.get_store.cache_clear()
+        monkeypatch.setattr(worker_app.app, "tooloop_settings", get_settings())
+        for name in ("broker_url", "result_backend"):
+            monkeypatch.setitem(worker_app.app.conf, name, url)
+        pool = worker_app.get_store().redis.connection_pool
+        with contextlib.suppress(redis.ConnectionError):  # a connection made (it copies the password),
+            pool.get_connection()  # left idle in the pool: nothing listens there
+        assert pool._available_connections, "the pool kept no connection: the hunt would miss one"
+        sealing.seal("x", tenant="t")
         yield password, key
     finally:
+        gc.enable()
         get_settings.cache_clear()
         worker_app.get_store.cache_clear()
         sealing._fernet.cache_clear()

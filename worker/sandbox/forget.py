@@ -16,6 +16,8 @@ import contextlib
 import sys
 from typing import Any
 
+from orchestrator.connections import CONNECTION_FIELDS, forget_credentials
+
 SECRET_FIELDS = ("secret_key", "redis_url", "broker_url", "api_tokens")  # of orchestrator.settings.Settings
 CELERY_URLS = ("broker_url", "result_backend", "broker_read_url", "broker_write_url")
 
@@ -31,7 +33,7 @@ def forget_worker_state() -> None:
     if app_module is not None:
         settings.append(getattr(app_module.app, "tooloop_settings", None))
         if app_module.get_store.cache_info().currsize:
-            _forget_client(app_module.get_store().redis)
+            forget_credentials(app_module.get_store().redis)
             app_module.get_store.cache_clear()
         _forget_celery(app_module.app)
     for found in settings:
@@ -41,36 +43,6 @@ def forget_worker_state() -> None:
     secrets = sys.modules.get("orchestrator.secrets")
     if secrets is not None:
         secrets._fernet.cache_clear()  # Fernet objects derived from the sealing key
-
-
-CONNECTION_FIELDS = ("password", "username", "host", "port", "path", "credential_provider")
-
-
-def _forget_client(client: Any) -> None:
-    """A redis-py client (plain or cluster): the connection arguments of its pools and of
-    every connection they made (a connection copies the password) emptied."""
-    _forget_kwargs(getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None))
-    for pool in _pools(client):
-        _forget_kwargs(getattr(pool, "connection_kwargs", None))
-        made = [*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ()),
-                *getattr(pool, "_connections", ())]  # (the last: a BlockingConnectionPool's) # fmt: skip
-        for connection in made:
-            for name in (*CONNECTION_FIELDS, "_host"):
-                if name in connection.__dict__:
-                    connection.__dict__[name] = None
-
-
-def _pools(client: Any) -> list[Any]:
-    """A client's connection pools: its own, or one per node of a cluster client."""
-    nodes = getattr(getattr(client, "nodes_manager", None), "nodes_cache", None) or {}
-    clients = [client, *(getattr(node, "redis_connection", None) for node in nodes.values())]
-    return [pool for c in clients if (pool := getattr(c, "connection_pool", None)) is not None]
-
-
-def _forget_kwargs(kwargs: Any) -> None:
-    if isinstance(kwargs, dict):
-        for key in CONNECTION_FIELDS:
-            kwargs.pop(key, None)
 
 
 def _forget_celery(app: Any) -> None:
@@ -88,8 +60,14 @@ def _forget_celery(app: Any) -> None:
         if backend is not None:
             backend.__dict__["url"] = None
             _forget_kwargs(getattr(backend, "connparams", None))
-            _forget_client(backend.__dict__.get("client"))
+            forget_credentials(backend.__dict__.get("client"))
     pools = sys.modules.get("kombu.pools")
     if pools is not None:  # (dict.clear: closing them would talk to the broker)
         for group in (pools.connections, pools.producers):
             dict.clear(group)
+
+
+def _forget_kwargs(kwargs: Any) -> None:
+    if isinstance(kwargs, dict):
+        for key in CONNECTION_FIELDS:
+            kwargs.pop(key, None)
