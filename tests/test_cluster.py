@@ -89,10 +89,12 @@ def test_rate_limits_and_api_events_through_a_node_without_their_slot(deployment
     d = deployment(TOOLOOP_REDIS_URL=url, TOOLOOP_BROKER_URL=os.environ["TOOLOOP_REDIS_URL"],
                    TOOLOOP_RATE_LIMITS=json.dumps(limits))  # fmt: skip
     d.start_worker("-c", "2")
+    here = f"127.0.0.1:{other}"
     handles = [d.client.submit(dict(tool_run(spec), tenant="acme")) for _ in range(4)]
+    while all(node_of(d.store.redis, d.store.keys.events(h.run_id)) == here for h in handles):
+        handles.append(d.client.submit(dict(tool_run(spec), tenant="acme")))  # a run's slot is random
     for handle in handles:
         assert_done(handle.wait(timeout=60))
-    here = f"127.0.0.1:{other}"
     buckets = list(d.store.redis.scan_iter(f"{d.store.keys.prefix}:{{ratelimit}}:*"))
     assert buckets and all(node_of(d.store.redis, k.decode()) != here for k in buckets)  # taken from
     elsewhere = next(h for h in handles if node_of(d.store.redis, d.store.keys.events(h.run_id)) != here)

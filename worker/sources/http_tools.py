@@ -95,7 +95,10 @@ def _in_thread(work: Callable[[threading.Event], CallOutcome], timeout: float,
             cancel.set()
             thread.join(5.0)  # bounded by the client's own timeouts
             return stopped
-    return box[0] if box else CallOutcome(False, error="HttpError: the request ended without a result")
+    outcome = box[0] if box else CallOutcome(False, error="HttpError: the request ended without a result")
+    if not outcome.ok and time.monotonic() >= deadline:  # the request's own deadline, a tick sooner
+        return CallOutcome(False, error=f"Timeout: tool call exceeded {timeout:g}s")
+    return outcome
 
 
 def _guarded(work: Callable[[threading.Event], CallOutcome], cancel: threading.Event) -> CallOutcome:
