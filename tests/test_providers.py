@@ -43,6 +43,34 @@ def test_non_retryable_error_is_not_retried(client, worker, spec, model_server):
     assert len(turn_requests(model_server, s["model"])) == 1
 
 
+def test_by_default_three_retries_follow_a_retryable_failure(client, worker, spec, model_server):
+    s = spec([{"status": 503, "error": "the model is overloaded"}])
+    result = client.submit(s).wait(timeout=60)
+    assert (result.exit, result.error_type) == ("error", "ServiceUnavailableError")
+    assert len(turn_requests(model_server, s["model"])) == 4  # 1 + the default 3 retries
+
+
+def test_timeout_and_retries_defaults_and_overrides():
+    from worker import llm
+
+    assert llm.timeout_and_retries({}) == (120.0, 3)
+    assert llm.timeout_and_retries({"timeout": 5, "max_retries": 1}) == (5.0, 1)
+    assert llm.timeout_and_retries({"num_retries": 0, "max_retries": 4}) == (120.0, 0)
+
+
+def test_backoff_grows_exponentially_with_jitter_and_honours_retry_after():
+    from worker import llm
+
+    for attempt in range(8):
+        nominal = min(llm.BACKOFF_CAP_S, llm.BACKOFF_BASE_S * 2**attempt)
+        delays = [llm.backoff(attempt) for _ in range(200)]
+        assert all(0.5 * nominal <= d <= min(llm.BACKOFF_CAP_S, 1.5 * nominal) for d in delays)
+        if 1.5 * nominal < llm.BACKOFF_CAP_S:  # jittered: callers throttled together part
+            assert len(set(delays)) > 100
+    assert llm.backoff(0, hint=7.0) == 7.0  # a provider's Retry-After wins when longer
+    assert llm.backoff(0, hint=600.0) == llm.BACKOFF_CAP_S
+
+
 # -- timeouts and fallbacks ------------------------------------------------------------------------
 def test_hung_call_is_cut_retried_then_falls_back(client, worker, spec, model_server):
     fallback = model_server.script([{"content": "from the fallback"}])

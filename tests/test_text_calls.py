@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import Status
-from worker import textcalls
+from orchestrator.models import RunSpec
+from worker import steps, textcalls
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "text_tool_calls.json").read_text())
 
@@ -59,3 +60,26 @@ def test_unparsable_attempt_is_corrected_twice_then_final(client, worker, spec, 
         assert note["role"] == "user" and "could not be read" in note["content"]
         assert "Available tools: add" in note["content"]
     assert sum("could not be read" in (m.get("content") or "") for m in requests[2]["messages"]) == 2
+
+
+def test_native_calls_win_over_calls_written_as_text():
+    spec = RunSpec(prompt="x", model="m", tools=["add", "mul"])
+    text = '<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    native = {"id": "call_n", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    decision = steps.decide({"content": text, "tool_calls": [native]}, spec, iteration=0)
+    assert isinstance(decision, steps.RunTools)
+    assert [(c.call_id, c.name) for c in decision.calls] == [("call_n", "add")]
+
+
+def test_a_declared_http_tool_may_be_called_as_text():
+    http = {"name": "get_item", "description": "Read one item.", "url": "http://127.0.0.1:9/items/{id}",
+            "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}},
+            "allow_hosts": ["127.0.0.1:9"]}  # fmt: skip
+    spec = RunSpec(prompt="x", model="m", tools=["add"], http_tools=[http])
+    reply = '<tool_call>{"name": "get_item", "arguments": {"id": 7}}</tool_call>'
+    decision = steps.decide({"content": reply}, spec, iteration=2)
+    assert isinstance(decision, steps.RunTools)
+    assert [(c.name, json.loads(c.arguments)) for c in decision.calls] == [("get_item", {"id": 7})]
+    broken = '<tool_call>{"name": "get_item", "arguments": {"id": }</tool_call>'
+    correction = steps.decide({"content": broken}, spec, iteration=2)
+    assert isinstance(correction, steps.Correct) and "Available tools: add, get_item" in correction.text

@@ -198,8 +198,7 @@ async def _with_retries(
 ) -> Reply:
     kwargs = resolve_params(model, params, tenant)  # checked for every model, fallbacks too
     policy = {name: kwargs.pop(name) for name in CALL_PARAMS if name in kwargs}
-    timeout = float(policy.get("timeout") or DEFAULT_TIMEOUT_S)
-    retries = int(policy.get("num_retries", policy.get("max_retries", DEFAULT_RETRIES)))
+    timeout, retries = timeout_and_retries(policy)
     stream = bool(policy.get("stream"))
     if tools:
         kwargs["tools"] = tools
@@ -313,6 +312,12 @@ def retry_after(exc: Exception) -> float | None:
         return float(value) if value is not None else None
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def timeout_and_retries(params: dict[str, Any]) -> tuple[float, int]:
+    """Each request's timeout and how many retries follow a retryable failure."""
+    timeout = float(params.get("timeout") or DEFAULT_TIMEOUT_S)
+    return timeout, int(params.get("num_retries", params.get("max_retries", DEFAULT_RETRIES)))
 
 
 def backoff(attempt: int, hint: float | None = None) -> float:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.http_tools import declared
 from orchestrator.models import Exit, RunSpec
 from orchestrator.store import Finish
 from worker import textcalls
@@ -94,11 +95,12 @@ def decide(
             ]
         ), spec)  # fmt: skip
     content = message.get("content") or ""
-    parsed = textcalls.parse(content, spec.tools)
+    names = [*spec.tools, *declared(spec)]  # every tool the model was offered
+    parsed = textcalls.parse(content, names)
     if parsed.calls:
         return capped(text_calls(parsed, iteration), spec)
     if parsed.attempted and corrections < textcalls.MAX_CORRECTIONS:
-        return Correct(textcalls.correction(parsed, spec.tools))
+        return Correct(textcalls.correction(parsed, names))
     return final_answer(content, spec)
 
 

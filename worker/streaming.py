@@ -79,11 +79,12 @@ class TextStream:
         piece, self.pending = self.pending[:cut], self.pending[cut:]
         text = continued(self.context, piece)
         self.context = tail_words(self.context + text)
-        self.last_sent = self.clock()
         try:
             self.sink(text)
         except Exception:  # a watcher's view is not worth the turn
             log.warning("streamed text not published", exc_info=True)
+        finally:  # after the write: a slow write must not shorten the gap to the next one
+            self.last_sent = self.clock()
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:

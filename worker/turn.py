@@ -56,9 +56,7 @@ def max_turn_s(spec: RunSpec) -> float:
     stops, the lease lapses, the sweeper sends the turn again and the attempts cap ends
     it: a model call that never returns cannot hold a run (threads pools ignore Celery's
     time limits, and a thread blocked in I/O cannot be interrupted)."""
-    params = spec.model_params
-    timeout = float(params.get("timeout") or llm.DEFAULT_TIMEOUT_S)
-    retries = int(params.get("num_retries", params.get("max_retries", llm.DEFAULT_RETRIES)))
+    timeout, retries = llm.timeout_and_retries(spec.model_params)
     per_model = timeout * (1 + retries) + llm.BACKOFF_CAP_S * retries
     return per_model * (1 + len(spec.fallbacks or [])) + TURN_SLACK_S
 
