@@ -141,10 +141,20 @@ OwnedRun = Annotated[str, Depends(_owned_run)]
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "missing or unknown bearer token"},
 }
+# limit_body answers this on any route, whatever the route itself reads.
+BODY_REFUSED = "request body too large or without a Content-Length"
+TOO_LARGE: dict[int | str, dict[str, Any]] = {400: {"model": Problem, "description": BODY_REFUSED}}
+
+
+def bad_request(why: str) -> dict[int | str, dict[str, Any]]:
+    """A route's own 400, listed with limit_body's (a route's entry replaces the router's)."""
+    return {400: {"model": Problem, "description": f"{why}; or {BODY_REFUSED}"}}
+
+
 NO_RUN: dict[int | str, dict[str, Any]] = {
     404: {"model": Problem, "description": "no such run (or another tenant's)"},
 }
-router = APIRouter(prefix="/api", tags=["runs"], responses=UNAUTHORIZED)
+router = APIRouter(prefix="/api", tags=["runs"], responses={**TOO_LARGE, **UNAUTHORIZED})
 
 
 # -- submitting -------------------------------------------------------------------------
@@ -154,8 +164,7 @@ TENANT_FIELD = "tenant"
 @router.post(
     "/runs",
     status_code=201,
-    responses={422: {"model": ValidationProblem, "description": "the spec was refused; each fault named"},
-               400: {"model": Problem, "description": "a body over the size limit"}},
+    responses={422: {"model": ValidationProblem, "description": "the spec was refused; each fault named"}},
 )
 def submit_run(
     tenant: Tenant,
@@ -209,7 +218,7 @@ def get_run(run_id: OwnedRun, api: Api) -> RunResult:
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}},
                      "description": "server-sent events, live; the stream ends after `outcome`"},
-               400: {"model": Problem, "description": "Last-Event-ID is not a stream id"},
+               **bad_request("Last-Event-ID is not a stream id"),
                **NO_RUN},
 )  # fmt: skip
 async def run_events(
@@ -309,7 +318,7 @@ def resume(run_id: OwnedRun, tenant: Tenant, api: Api) -> ControlReply:
 
 @router.post("/runs/{run_id}/abort",
              responses={**CONTROL_ERRORS,
-                        400: {"model": Problem, "description": "a reason over the length limit"}})
+                        **bad_request("a reason over the length limit")})
 def abort(
     run_id: OwnedRun, tenant: Tenant, api: Api, body: Annotated[AbortBody | None, Body()] = None
 ) -> ControlReply:
@@ -325,7 +334,7 @@ def abort(
 @router.post(
     "/runs/{run_id}/steer",
     responses={**CONTROL_ERRORS,
-               400: {"model": Problem, "description": "blank message, or one over the length limit"}},
+               **bad_request("blank message, or one over the length limit")},
 )
 def steer(run_id: OwnedRun, tenant: Tenant, api: Api, body: SteerBody) -> ControlReply:
     """Queue guidance; it reaches the model at the run's next turn boundary."""
@@ -368,7 +377,7 @@ def approve(run_id: OwnedRun, call_id: str, tenant: Tenant, api: Api) -> Control
 
 @router.post("/runs/{run_id}/calls/{call_id}/deny",
              responses={**DECISION_ERRORS,
-                        400: {"model": Problem, "description": "a reason over the length limit"}})
+                        **bad_request("a reason over the length limit")})
 def deny(
     run_id: OwnedRun, call_id: str, tenant: Tenant, api: Api, body: Annotated[DenyBody | None, Body()] = None
 ) -> ControlReply:
@@ -410,10 +419,10 @@ def create_app(settings: Settings | None = None, client: Client | None = None) -
     state.metrics = metrics.registry(settings, multiprocess=False)
     app.include_router(router)
     app.add_api_route("/api/health", health, methods=["GET"], tags=["health"],
-                      responses={503: {"model": Problem, "description": "Redis unreachable"}})
+                      responses={**TOO_LARGE, 503: {"model": Problem, "description": "Redis unreachable"}})
     app.add_api_route("/metrics", metrics_page, methods=["GET"], tags=["health"], response_class=Response,
                       responses={200: {"content": {"text/plain": {}},
-                                       "description": "Prometheus text format"}})  # fmt: skip
+                                       "description": "Prometheus text format"}, **TOO_LARGE})  # fmt: skip
     return app
 
 

@@ -102,6 +102,9 @@ def test_openapi_lists_the_status_codes_each_route_answers(api_server) -> None:
     for path, operations in paths.items():
         for method, op in operations.items():
             codes = set(op["responses"])
+            # limit_body answers 400 on any route to a body too large or without a Content-Length
+            assert "400" in codes, (method, path)
+            assert "Content-Length" in op["responses"]["400"]["description"], (method, path)
             if path.startswith("/api/runs"):
                 assert "401" in codes, (method, path)
             if "{run_id}" in path:
@@ -112,6 +115,24 @@ def test_openapi_lists_the_status_codes_each_route_answers(api_server) -> None:
     for action in ("pause", "resume", "abort", "steer"):
         assert "409" in paths[f"/api/runs/{{run_id}}/{action}"]["post"]["responses"]
     assert "503" in paths["/api/health"]["get"]["responses"]
+
+
+def test_any_route_refuses_a_body_too_large_or_without_a_size(http) -> None:
+    """limit_body answers before the route (or the token check) reads anything."""
+    from orchestrator.bounds import API_BODY_MAX_BYTES
+
+    big = b"x" * (API_BODY_MAX_BYTES + 1)
+    reply = http.post("/api/runs/no-such-run/pause", content=big)
+    assert reply.status_code == 400 and f"{API_BODY_MAX_BYTES:,} bytes" in reply.json()["detail"]
+    listed = http.request("GET", "/api/runs", content=big)
+    assert listed.status_code == 400
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the size cannot be checked first
+        yield b"{}"
+
+    chunked = http.request("GET", "/api/health", content=chunks())
+    assert chunked.status_code == 400 and "Content-Length" in chunked.json()["detail"]
+    assert http.post("/api/runs/no-such-run/pause").status_code == 404  # without a body: the route answers
 
 
 # -- submitting -----------------------------------------------------------------------------------

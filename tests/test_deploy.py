@@ -135,15 +135,26 @@ def test_manifests_say_what_the_code_does() -> None:
     deployments = objects(docs, "Deployment")
     turns, tools = deployments["tooloop-turns"], deployments["tooloop-tools"]
     keys = Keys(objects(docs, "ConfigMap")["tooloop"]["data"]["TOOLOOP_KEY_PREFIX"])
-    # separate pools, each on its own queue, each scaled on that queue's Redis list
+    # separate pools, each on its own queue, each scaled on the calls waiting for it
     assert pod(turns)["containers"][0]["args"][:3] == ["worker", "-Q", "turns"]
     assert pod(tools)["containers"][0]["args"][:3] == ["worker", "-Q", "tools"]
     scaled = objects(docs, "ScaledObject")
-    for name, queue in (("tooloop-turns", keys.turn_queue), ("tooloop-tools", keys.tool_queue)):
-        trigger = scaled[name]["spec"]["triggers"][0]
+    for name in ("tooloop-turns", "tooloop-tools"):
         assert scaled[name]["spec"]["scaleTargetRef"]["name"] == name
-        assert trigger["metadata"]["listName"] == keys.broker_prefix + queue
-        assert trigger["metadata"]["username"] == "tooloop"
+        assert len(scaled[name]["spec"]["triggers"]) == 1
+    # turns wait in one Redis list
+    trigger = scaled["tooloop-turns"]["spec"]["triggers"][0]
+    assert trigger["type"] == "redis"
+    assert trigger["metadata"]["listName"] == keys.broker_prefix + keys.turn_queue
+    assert trigger["metadata"]["username"] == "tooloop"
+    # tool calls wait in the shared list and in one list per tool (worker.app.call_queue):
+    # the tools pool scales on the gauge that sums them all, as the pods export it
+    assert keys.tool_queue_of("add") != keys.tool_queue
+    trigger = scaled["tooloop-tools"]["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["query"] == f'max(tooloop_queue_depth{{queue="{keys.tool_queue}"}})'
+    assert trigger["metadata"]["serverAddress"].startswith("http://")
+    assert float(trigger["metadata"]["threshold"]) > 0
     # a pod is killed only after the launcher's warm shutdown had its time
     for d in (turns, tools):
         assert pod(d)["terminationGracePeriodSeconds"] > SHUTDOWN_GRACE_S
@@ -180,6 +191,9 @@ def test_manifests_say_what_the_code_does() -> None:
     # the Redis pods run the shipped config and entrypoint, byte for byte, with a volume
     conf = objects(docs, "ConfigMap")["tooloop-redis"]["data"]
     assert conf["redis.conf"] == (ROOT / "deploy" / "redis.conf").read_text()
+    directives = [line.split() for line in conf["redis.conf"].splitlines()]
+    assert ["appendonly", "yes"] in directives  # a run's state survives a Redis restart
+    assert ["maxmemory-policy", "noeviction"] in directives  # and is never evicted for room
     assert conf["redis-entrypoint.sh"] == (ROOT / "deploy" / "redis-entrypoint.sh").read_text()
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert env_of(pod(redis)["containers"][0])["REDIS_PASSWORD"]["secretKeyRef"]["key"] == "redis-password"

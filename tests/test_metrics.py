@@ -71,6 +71,35 @@ def test_a_scrape_after_a_run_shows_the_counters_moved(deployment, spec, holds) 
     assert value(ended, "tooloop_model_latency_seconds_count", model=s2["model"], result="error") == 1
 
 
+def test_the_queue_depth_counts_what_waits(deployment, spec) -> None:
+    """No worker consumes here: submitted turns and pushed tool calls stay in their lists."""
+    from orchestrator.metrics import KOMBU_PRIORITY_SEP, exposition, registry
+
+    d = deployment()
+    keys, r = d.store.keys, d.store.redis
+    for _ in range(3):
+        d.client.submit(spec([{"content": "never run"}]))
+    # a tool worker that published `add` (so its calls wait in their own list), now away
+    d.store.publish_worker(f"{d.prefix}-gone", {"tools": [{"name": "add"}]})
+    own = keys.broker_prefix + keys.tool_queue_of("add")
+    own_priority = f"{own}{KOMBU_PRIORITY_SEP}3"
+    shared = keys.broker_prefix + keys.tool_queue
+    lists = (own, own_priority, shared, keys.broker_prefix + keys.turn_queue)
+    try:
+        r.lpush(own, "call-1", "call-2")
+        r.lpush(own_priority, "call-3")
+        r.lpush(shared, "call-4")
+        text = exposition(registry(d.settings, multiprocess=False))[0].decode()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+        assert value(samples, "tooloop_queue_depth", queue=keys.turn_queue) == 3
+        assert value(samples, "tooloop_queue_depth", queue=keys.tool_queue) == 4  # 3 own + 1 shared
+        assert value(samples, "tooloop_live_runs") == 3
+    finally:
+        r.delete(*lists)
+        d.store.remove_worker(f"{d.prefix}-gone")
+
+
 def test_a_lost_turn_is_recovered_and_counted(deployment, spec) -> None:
     d = deployment(TOOLOOP_RECOVERY_S="2")
     handle = d.client.submit(spec([{"content": "recovered"}]))
