@@ -182,6 +182,24 @@ def test_time_limit_and_worker_stop_leave_no_server(mcp_deployment, spec):
     print(f"server gone {time.monotonic() - stopped:.2f}s after the worker")
 
 
+def test_a_call_whose_worker_is_lost_is_worker_lost_not_run_again(mcp_deployment, spec, model_server):
+    """kill -9 the worker mid-call: the same failed record as any non-idempotent tool's."""
+    s = spec([tools(call("calc__slow", {"seconds": 120})), {"content": "ok"}], tools=["calc__slow"])
+    handle = mcp_deployment.client.submit(s)
+    folder = _run_folder(handle.run_id)
+    wait_for(lambda: _processes_in(folder), timeout=30)  # the server runs the call
+    mcp_deployment.start_worker("-c", "2")
+    mcp_deployment.workers[0].kill()
+    result = handle.wait(timeout=60)
+    assert (result.status, result.content) == (Status.completed, "ok")
+    [record] = result.tool_calls
+    assert not record.success and record.error.startswith("WorkerLost"), record
+    assert "outcome is unknown" in record.error
+    fed_back = model_server.calls(s["model"])[1]["messages"][-1]["content"]
+    assert fed_back.startswith("Error: WorkerLost")
+    assert len(model_server.calls(s["model"])) == 2  # one call, not run again
+
+
 def test_http_header_values_are_read_at_each_request(monkeypatch):
     """A header's value comes from the environment when a request is sent, not when the
     session opened: a rotated token is used by the next request, an unset one is not sent."""
