@@ -60,7 +60,8 @@ def mcp_deployment(deployment, http_server, tmp_path):
     # log (e.g. a sandbox uid cannot run an interpreter under /root): say so, not KeyError.
     catalog = d.store.catalog()
     missing = [name for name in ("calc__add", "web__add") if name not in catalog]
-    assert not missing, f"{missing} not in the catalog; the worker's log:\n{worker.tail()}"
+    why = [line for line in worker.tail(1 << 20).splitlines() if "MCP" in line or "cannot start" in line]
+    assert not missing, f"{missing} not in the catalog; in the worker's log {worker.log}:\n" + "\n".join(why)
     return d
 
 
