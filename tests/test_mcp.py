@@ -4,6 +4,7 @@ loopback; real workers, the scripted model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -52,9 +53,15 @@ def mcp_deployment(deployment, http_server, tmp_path):
     d = deployment(TOOLOOP_MCP_SERVERS=str(path))
     os.environ["MCP_TEST_TOKEN"] = TOKEN  # the worker reads it at call time, from its environment
     try:
-        d.start_worker("-c", "2")
+        worker = d.start_worker("-c", "2")
     finally:
         os.environ.pop("MCP_TEST_TOKEN")
+    # A server that cannot start is left out of the catalog with a warning in the worker's
+    # log (e.g. a sandbox uid cannot run an interpreter under /root): say so, not KeyError.
+    catalog = d.store.catalog()
+    missing = [name for name in ("calc__add", "web__add") if name not in catalog]
+    why = [line for line in worker.tail(1 << 20).splitlines() if "MCP" in line or "cannot start" in line]
+    assert not missing, f"{missing} not in the catalog; in the worker's log {worker.log}:\n" + "\n".join(why)
     return d
 
 
@@ -174,6 +181,86 @@ def test_time_limit_and_worker_stop_leave_no_server(mcp_deployment, spec):
     stopped = time.monotonic()
     wait_for(lambda: not _processes_in(folder), timeout=10)
     print(f"server gone {time.monotonic() - stopped:.2f}s after the worker")
+
+
+def test_a_call_whose_worker_is_lost_is_worker_lost_not_run_again(mcp_deployment, spec, model_server):
+    """kill -9 the worker mid-call: the same failed record as any non-idempotent tool's."""
+    s = spec([tools(call("calc__slow", {"seconds": 120})), {"content": "ok"}], tools=["calc__slow"])
+    handle = mcp_deployment.client.submit(s)
+    folder = _run_folder(handle.run_id)
+    wait_for(lambda: _processes_in(folder), timeout=30)  # the server runs the call
+    mcp_deployment.start_worker("-c", "2")
+    mcp_deployment.workers[0].kill()
+    result = handle.wait(timeout=60)
+    assert (result.status, result.content) == (Status.completed, "ok")
+    [record] = result.tool_calls
+    assert not record.success and record.error.startswith("WorkerLost"), record
+    assert "outcome is unknown" in record.error
+    fed_back = model_server.calls(s["model"])[1]["messages"][-1]["content"]
+    assert fed_back.startswith("Error: WorkerLost")
+    assert len(model_server.calls(s["model"])) == 2  # one call, not run again
+
+
+def test_http_header_values_are_read_at_each_request(monkeypatch):
+    """A header's value comes from the environment when a request is sent, not when the
+    session opened: a rotated token is used by the next request, an unset one is not sent."""
+    import httpx2
+
+    from worker.sources.mcp_host import EnvHeaders
+
+    auth = EnvHeaders({"X-Token": "MCP_UNIT_TOKEN"})
+    seen: list[str | None] = []
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        seen.append(request.headers.get("X-Token"))
+        return httpx2.Response(200)
+
+    async def requests() -> None:  # one client for all three, as one session keeps
+        async with httpx2.AsyncClient(auth=auth, transport=httpx2.MockTransport(answer)) as http:
+            for value in ("first", "second", None):
+                if value is None:
+                    monkeypatch.delenv("MCP_UNIT_TOKEN")
+                else:
+                    monkeypatch.setenv("MCP_UNIT_TOKEN", value)
+                await http.post("http://127.0.0.1/mcp")
+
+    asyncio.run(requests())
+    assert seen == ["first", "second", None]
+    assert "first" not in repr(vars(auth)) and "second" not in repr(vars(auth))  # never kept
+
+
+def test_host_opens_one_session_per_run_and_keeps_no_lock(monkeypatch):
+    """Concurrent first calls share one session; the lock that makes them goes once no call
+    holds or awaits it, whether the open worked, failed or was cut short (no growth per run)."""
+    from worker.sources import mcp_host
+    from worker.sources.mcp_config import McpServer
+
+    opened: list[str] = []
+
+    async def open_(self, request, timeout_s):  # a server that takes a while to start
+        opened.append(self.run_id)
+        await asyncio.sleep(0.2)
+        if request.get("fail"):
+            raise RuntimeError("cannot start")
+        self.client = object()
+
+    monkeypatch.setattr(mcp_host.Session, "open", open_)
+    host = mcp_host.Host([McpServer("calc", command="python")])
+    server = host.servers["calc"]
+
+    async def calls() -> None:
+        first = [host._session(server, ("calc", "r1"), {"timeout_s": 5}) for _ in range(3)]
+        assert len({id(session) for session in await asyncio.gather(*first)}) == 1
+        with pytest.raises(RuntimeError):
+            await host._session(server, ("calc", "r2"), {"timeout_s": 5, "fail": True})
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(host._session(server, ("calc", "r3"), {"timeout_s": 5}), 0.05)
+        assert opened == ["r1", "r2", "r3"] and list(host.sessions) == [("calc", "r1")]
+        assert host.opening == {}
+        await host.drop_run("r1")
+        assert host.sessions == {} and host.opening == {}
+
+    asyncio.run(calls())
 
 
 def test_config_files_json_or_yaml(tmp_path):

@@ -29,8 +29,11 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx2
 
 from worker.sources.mcp_config import McpServer, load_servers, tool_name
 
@@ -107,23 +110,27 @@ def _stdio(server: McpServer, request: dict[str, Any]) -> Any:
                                  cwd=command.cwd)  # fmt: skip
 
 
+class EnvHeaders(httpx2.Auth):
+    """Header values read from the worker's environment for each request, never kept:
+    the secret lives only in the request being sent, and a rotated one is used by the next."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = dict(headers)  # header -> name of an environment variable
+
+    def auth_flow(self, request: httpx2.Request) -> Iterator[httpx2.Request]:
+        for header, env in self.headers.items():
+            value = os.environ.get(env)
+            if value is not None:
+                request.headers[header] = value
+        yield request
+
+
 def _http(server: McpServer) -> Any:
-    import httpx2
     from mcp.client.streamable_http import streamable_http_client
-
-    class EnvHeaders(httpx2.Auth):
-        """Header values read from the environment for each request, never kept."""
-
-        def auth_flow(self, req: Any) -> Any:
-            for header, env in server.headers.items():
-                value = os.environ.get(env)
-                if value is not None:
-                    req.headers[header] = value
-            yield req
 
     assert server.url is not None
     # The SDK's own defaults: 30 s to connect or send, 300 s for a response stream to go quiet.
-    http = httpx2.AsyncClient(auth=EnvHeaders(), timeout=httpx2.Timeout(30.0, read=300.0))
+    http = httpx2.AsyncClient(auth=EnvHeaders(server.headers), timeout=httpx2.Timeout(30.0, read=300.0))
     return streamable_http_client(server.url, http_client=http)
 
 
@@ -151,11 +158,22 @@ def _output(result: Any) -> Any:
     return [block.model_dump(mode="json", exclude_none=True) for block in blocks]
 
 
+@dataclass
+class Opening:
+    """The lock that makes a (server, run)'s concurrent first calls start one process, and
+    how many calls hold or await it. Removed when that count is 0, not in ``drop``: a lock
+    removed while a call awaits it would let the next call take a new one, and start a
+    second process."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 class Host:
     def __init__(self, servers: list[McpServer]) -> None:
         self.servers = {s.name: s for s in servers}
         self.sessions: dict[tuple[str, str], Session] = {}
-        self.opening: dict[tuple[str, str], asyncio.Lock] = {}
+        self.opening: dict[tuple[str, str], Opening] = {}
 
     # -- the catalog ---------------------------------------------------------------
     async def catalog(self, sandbox_root: str) -> dict[str, Any]:
@@ -223,18 +241,28 @@ class Host:
         return await self._call(session, request, timeout)
 
     async def _session(self, server: McpServer, key: tuple[str, str], request: dict[str, Any]) -> Session:
-        async with self.opening.setdefault(key, asyncio.Lock()):  # two first calls: one process
-            session = self.sessions.get(key)
-            if session is not None and not session.dead.is_set():
-                return session
-            session = Session(server, key[1])
-            self.sessions[key] = session
-            try:
-                await session.open(request, float(request["timeout_s"]))
-            except BaseException:
-                await self.drop(key)
-                raise
+        opening = self.opening.setdefault(key, Opening())
+        opening.users += 1
+        try:
+            async with opening.lock:  # two first calls: one process
+                return await self._open(server, key, request)
+        finally:
+            opening.users -= 1
+            if not opening.users:  # none holds or awaits it: gone, else one per run for the worker's life
+                del self.opening[key]
+
+    async def _open(self, server: McpServer, key: tuple[str, str], request: dict[str, Any]) -> Session:
+        session = self.sessions.get(key)
+        if session is not None and not session.dead.is_set():
             return session
+        session = Session(server, key[1])
+        self.sessions[key] = session
+        try:
+            await session.open(request, float(request["timeout_s"]))
+        except BaseException:
+            await self.drop(key)
+            raise
+        return session
 
     async def _call(self, session: Session, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         from mcp import MCPError
