@@ -20,7 +20,10 @@ Counted at the end:
                  calls of a poison turn <= the cap)
   unreadable     unreadable runs ended on `error`
 and the stalls: for each step the sweeper re-sent, how long its run stalled (last
-progress before the loss -> first progress after the re-send).
+progress before the loss -> first progress after the re-send); and the largest queue
+length seen: the turn and tool queues are sampled every second from the first submit
+until the system went quiet (as Redis lists, as in phase 2; with --broker, the broker's
+count of ready messages).
 
 Phase 2 (tool-pool outage). Turn and tool workers apart; the tool pool is stopped, runs
 whose first step is an effect are submitted, and for --outage seconds the turn workers
@@ -40,6 +43,7 @@ The outage phase samples the queues as Redis lists: it runs only with the Redis 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -49,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -181,8 +186,6 @@ def main() -> None:
 
 def delete_queues(client) -> None:
     """The bench's own queues (per-tool ones too), gone from a broker that outlives it."""
-    import contextlib
-
     keys = client.store.keys
     names = [q.name for q in client.celery.conf.task_queues] + [keys.tool_queue_of(t) for t in (EFFECT, READ)]
     with client.celery.connection_for_write() as conn:
@@ -203,6 +206,7 @@ def faults_phase(stack, env, client, model_server, redis_server, args) -> list[s
     for worker in fleet.workers:
         worker.wait_ready(client.store, timeout=300)  # three workers starting at once on a loaded box
     runs = plan_runs(model_server, args)
+    sampler = QueuePeak(client, args.broker).start()
     started = time.monotonic()
     for run in runs:
         spec = scripted_spec(model_server, run.model, tools=[EFFECT, READ])
@@ -214,9 +218,10 @@ def faults_phase(stack, env, client, model_server, redis_server, args) -> list[s
     while time.monotonic() < quiet_deadline and not all(r.handle.status().ended for r in runs):
         time.sleep(0.5)
     elapsed = time.monotonic() - started
+    sampler.stop()
     for worker in fleet.live():
         worker.stop()
-    return report(args, runs, events, elapsed, model_server, client.store.settings.step_attempts)
+    return report(args, runs, events, elapsed, model_server, client.store.settings.step_attempts, sampler)
 
 
 def plan_runs(model_server, args) -> list[Run]:
@@ -305,7 +310,8 @@ def effects_duplicated(run_id: str) -> int:
     return len(lines) - len(set(lines))
 
 
-def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_server, cap: int) -> list[str]:
+def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_server, cap: int,
+           queues: QueuePeak) -> list[str]:  # fmt: skip
     count: Counter = Counter()
     recoveries: list[float] = []
     for run in runs:
@@ -343,8 +349,88 @@ def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_serve
     if cuts:
         lines.append(f"  stall s         p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
                      f"max {max(recoveries):.1f}   (bound {args.recovery:g})")  # fmt: skip
+    peak = queues.peak
+    lines.append(f"  largest queue   {peak.total} messages ({peak.turns} turns, {peak.tools} tool calls; "
+                 f"{queues.samples} samples, 1/s, {queues.failed} skipped: Redis restarting)")  # fmt: skip
     lines.append(f"  all ended after {elapsed:.1f}s")
     return lines
+
+
+@dataclass
+class QueueLengths:
+    turns: int = 0
+    tools: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.turns + self.tools
+
+
+def queue_lengths(client, broker: str | None) -> QueueLengths:
+    """Messages waiting in the turn and tool queues. With the Redis broker the queues
+    are Redis lists (every priority, per-tool ones too), counted as phase 2 counts them;
+    with another broker, its count of ready messages in each of the bench's queues."""
+    store = client.store
+    if not broker:
+        turns = 0
+        for key in store.redis.scan_iter(f"{store.keys.broker_prefix}{store.keys.turn_queue}*", count=1000):
+            if store.redis.type(key) == b"list":
+                turns += store.redis.llen(key)
+        return QueueLengths(turns, tool_messages(store).total)
+    out = QueueLengths()
+    names = [store.keys.tool_queue] + [store.keys.tool_queue_of(t) for t in (EFFECT, READ)]
+    with client.celery.connection_for_read() as conn:
+        for name, is_turn in [(store.keys.turn_queue, True)] + [(n, False) for n in names]:
+            channel = conn.channel()  # a passive declare of a missing queue closes its channel
+            try:
+                count = channel.queue_declare(name, passive=True).message_count
+            except conn.channel_errors:
+                count = 0
+            finally:
+                with contextlib.suppress(Exception):
+                    channel.close()
+            if is_turn:
+                out.turns += count
+            else:
+                out.tools += count
+    return out
+
+
+class QueuePeak:
+    """Samples :func:`queue_lengths` every ``every`` seconds on a thread of its own and
+    keeps the largest total seen (a sample that fails, as while Redis restarts, is skipped)."""
+
+    def __init__(self, client, broker: str | None, every: float = 1.0) -> None:
+        self.client, self.broker, self.every = client, broker, every
+        self.peak = QueueLengths()
+        self.samples = self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="queue-peak", daemon=True)
+
+    def start(self) -> QueuePeak:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.every):
+                return
+
+    def sample(self) -> QueueLengths | None:
+        try:
+            now = queue_lengths(self.client, self.broker)
+        except Exception:  # Redis (or the broker) restarting: skip this sample
+            self.failed += 1
+            return None
+        self.samples += 1
+        if now.total > self.peak.total:
+            self.peak = now
+        return now
 
 
 def poison_ended_well(run: Run, result, served: int, cap: int) -> bool:

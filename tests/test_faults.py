@@ -456,3 +456,32 @@ def test_a_worker_with_a_fast_clock_does_not_stretch_its_lease(deployment, spec,
     killed_at = time.monotonic()
     assert handle.wait(timeout=60).content == "recovered"
     assert time.monotonic() - killed_at < 6 + 10
+
+
+# -- item 4, continued: a running run whose spec stops parsing ---------------------------
+def test_a_running_run_whose_spec_stops_parsing_ends_on_error(deployment, spec, model_server, holds):
+    """Two runs are inside their first model call when their worker dies. Meanwhile one
+    run's stored spec stops parsing (a field the rolled-back code forbids). When the leases
+    lapse, that run ends on error as ``SpecUnreadable``, not paused or retried forever, and
+    the healthy run lapsed with it is still recovered."""
+    d = deployment()
+    first = d.start_worker("-c", "4")
+    bad_spec = spec([counted([{"content": "lost", "hold": gate(holds)}, {"content": "never"}])])
+    good_spec = spec([counted([{"content": "lost", "hold": gate(holds)}, {"content": "recovered"}])])
+    bad = d.client.submit(bad_spec)  # submitted first: first in the lease index
+    healthy = d.client.submit(good_spec)
+    wait_for(lambda: model_server.calls(bad_spec["model"]) and model_server.calls(good_spec["model"]),
+             timeout=30)  # fmt: skip
+    assert d.store.status(bad.run_id) == Status.running
+    raw = json.loads(d.store.redis.hget(d.store.keys.run(bad.run_id), "spec"))
+    d.store.redis.hset(d.store.keys.run(bad.run_id), "spec", json.dumps({**raw, "retired_field": 1}))
+    d.start_worker("-c", "4")  # the one left to sweep
+    first.kill()  # both turns' holders are gone: their leases lapse
+    killed_at = time.monotonic()
+    result = bad.wait(timeout=40)
+    ended = (result.status, result.exit, result.error_type)
+    assert ended == (Status.failed, "error", "SpecUnreadable"), result
+    assert "does not parse" in result.error
+    assert len(model_server.calls(bad_spec["model"])) == 1  # never called again on a bad spec
+    assert healthy.wait(timeout=40).content == "recovered"
+    assert time.monotonic() - killed_at < 6 + 15  # within TOOLOOP_RECOVERY_S, plus slack
