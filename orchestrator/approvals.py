@@ -19,13 +19,14 @@ reaches the tool task like any call; the task asks ``park`` first:
 
 Everything lives in Redis, so decisions survive worker restarts; the ``approvals`` hash
 expires with the run's other keys. These scripts name their own keys (the run's hash
-tag): they do not depend on the step scripts' layout.
+tag, and DECIDE its shard's lease index, which shares it): they do not depend on the
+step scripts' layout. Time is Redis's (``TIME``), never the caller's, as in
+orchestrator/scripts.py: a host with a skewed clock cannot shift a deadline.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ DEFAULT_TIMEOUT_S = 24 * 3600
 
 _COMMON = """
 local RUN, CSTATE, CARGS, EVENTS, APPROVALS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local clock = redis.call('TIME')
+local NOW = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local function ended(status)
   return status == 'completed' or status == 'failed' or status == 'aborted'
 end
@@ -66,7 +69,7 @@ local function decided(key, a, decision, reason, by, now, maxlen)
 end
 """
 
-# ARGV: key, iteration, now, approval deadline, maxlen, call_id, tool, arguments (scrubbed),
+# ARGV: key, iteration, approval timeout (ms), maxlen, call_id, tool, arguments (scrubbed),
 #   timeout text
 # -> {'parked'} | {'pending'} | {'approved'} | {'denied', reason} | {'ended'|'stale'|'done'}
 PARK = _COMMON + """
@@ -76,32 +79,35 @@ if tonumber(st[2]) ~= tonumber(ARGV[2]) or st[3] ~= 'tools' then return {'stale'
 local state = redis.call('HGET', CSTATE, ARGV[1])
 if not state then return {'stale'} end
 if state == 'd' then return {'done'} end
-local now, maxlen = tonumber(ARGV[3]), ARGV[5]
+local now, maxlen = NOW, ARGV[4]
+local deadline = NOW + tonumber(ARGV[3])
 local raw = redis.call('HGET', APPROVALS, ARGV[1])
 if raw then
   local a = cjson.decode(raw)
   if a.state == 'approved' then return {'approved'} end
   if a.state == 'denied' then return {'denied', a.reason} end
   if now >= a.deadline then
-    decided(ARGV[1], a, 'denied', ARGV[9], 'timeout', now, maxlen)
-    return {'denied', ARGV[9]}
+    decided(ARGV[1], a, 'denied', ARGV[8], 'timeout', now, maxlen)
+    return {'denied', ARGV[8]}
   end
   requeue(ARGV[1], state, a.deadline, false)  -- parked again (a re-send)
   return {'pending'}
 end
-local a = {state = 'pending', call_id = ARGV[6], tool = ARGV[7], iteration = tonumber(ARGV[2]),
-  requested_at = now, deadline = tonumber(ARGV[4])}
-redis.call('HSET', APPROVALS, ARGV[1], cjson.encode(a), 'id:' .. ARGV[6], ARGV[1])
-requeue(ARGV[1], state, ARGV[4], false)
+local a = {state = 'pending', call_id = ARGV[5], tool = ARGV[6], iteration = tonumber(ARGV[2]),
+  requested_at = now, deadline = deadline}
+redis.call('HSET', APPROVALS, ARGV[1], cjson.encode(a), 'id:' .. ARGV[5], ARGV[1])
+requeue(ARGV[1], state, deadline, false)
 redis.call('HINCRBY', RUN, 'approvals_pending', 1)
-event(maxlen, now, 'iteration', ARGV[2], 'call_id', ARGV[6], 'tool', ARGV[7],
-  'decision', 'pending', 'arguments', ARGV[8], 'deadline', ARGV[4])
+event(maxlen, now, 'iteration', ARGV[2], 'call_id', ARGV[5], 'tool', ARGV[6],
+  'decision', 'pending', 'arguments', ARGV[7], 'deadline', deadline)
 return {'parked'}
 """
 
-# ARGV: call_id, decision ('approved'|'denied'), reason, by, now, lease deadline, maxlen
+# KEYS: + the shard's lease index (same hash tag). ARGV: call_id, decision
+#   ('approved'|'denied'), reason, by, lease (ms), maxlen, run id
 # -> {'ok', payload, generation} | {'already', state} | {'unknown'} | {'ended'} | {'missing'}
 DECIDE = _COMMON + """
+local LEASES = KEYS[6]
 local status = redis.call('HGET', RUN, 'status')
 if not status then return {'missing'} end
 if ended(status) then return {'ended'} end
@@ -109,10 +115,13 @@ local key = redis.call('HGET', APPROVALS, 'id:' .. ARGV[1])
 if not key then return {'unknown'} end
 local a = cjson.decode(redis.call('HGET', APPROVALS, key))
 if a.state ~= 'pending' then return {'already', a.state} end
-decided(key, a, ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[7])
+decided(key, a, ARGV[2], ARGV[3], ARGV[4], NOW, ARGV[6])
 local state = redis.call('HGET', CSTATE, key)
 if not state or state == 'd' then return {'ok', ''} end
-local gen = requeue(key, state, ARGV[6], true)
+local lease = NOW + tonumber(ARGV[5])
+local gen = requeue(key, state, lease, true)
+-- in the same step: a dispatch lost with its sender is re-sent by the sweeper
+redis.call('ZADD', LEASES, 'LT', lease, ARGV[7])
 return {'ok', redis.call('HGET', CARGS, key) or '', gen}
 """
 
@@ -144,12 +153,10 @@ def _s(value: Any) -> str:
 
 def park(store: RunStore, payload: dict[str, Any], arguments: Any) -> Gate:
     """The first look of the tool task at a gated call (see the module docstring)."""
-    now = int(time.time() * 1000)
     timeout_s = float(payload.get("approval_timeout_s") or DEFAULT_TIMEOUT_S)
-    deadline = now + int(timeout_s * 1000)
     shown = json.dumps(bound_value(scrub_value(arguments), RECORD_INPUTS_MAX_BYTES))  # as in the record
     out = _script(store, "PARK")(keys=_keys(store, payload["run_id"]), args=[
-        payload["key"], payload["iteration"], now, deadline, store.settings.events_maxlen,
+        payload["key"], payload["iteration"], int(timeout_s * 1000), store.settings.events_maxlen,
         payload["call_id"], payload["tool"], shown, f"approval timed out after {timeout_s:g}s",
     ])  # fmt: skip
     return Gate(_s(out[0]), _s(out[1]) if len(out) > 1 else "")
@@ -159,17 +166,15 @@ def decide(store: RunStore, run_id: str, call_id: str, approved: bool, reason: s
            by: str = "operator") -> tuple[str, dict[str, Any] | None, int]:  # fmt: skip
     """Record a decision: ('ok', payload to dispatch, its message generation), or
     ('already'|'unknown'|'ended'|'missing', None, 0)."""
-    now = int(time.time() * 1000)
-    lease = now + int(store.settings.lease_s * 1000)
     decision = "approved" if approved else "denied"
     reason = cut_text(reason or ("approved" if approved else "denied by a person"), REASON_MAX_CHARS)
-    out = _script(store, "DECIDE")(keys=_keys(store, run_id), args=[
-        call_id, decision, reason, by, now, lease, store.settings.events_maxlen])  # fmt: skip
+    leases = store.keys.leases(shard_of(run_id))  # the run's hash tag (orchestrator/keys.py)
+    out = _script(store, "DECIDE")(keys=[*_keys(store, run_id), leases], args=[
+        call_id, decision, reason, by, int(store.settings.lease_s * 1000),
+        store.settings.events_maxlen, run_id])  # fmt: skip
     verdict = _s(out[0])
     if verdict != "ok":
         return verdict, None, 0
-    # a lost dispatch is re-sent
-    store.redis.zadd(store.keys.leases(shard_of(run_id)), {run_id: lease}, lt=True)
     raw = _s(out[1])
     return "ok", (json.loads(raw) if raw else None), int(out[2]) if len(out) > 2 else 0
 

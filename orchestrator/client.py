@@ -11,7 +11,7 @@ from typing import Any
 from orchestrator import telemetry
 from orchestrator.models import RunResult, RunSpec, Status
 from orchestrator.settings import Settings, get_settings
-from orchestrator.store import RunStore
+from orchestrator.store import Recovery, RunStore
 from orchestrator.validation import SpecError, bind_tenant, check_spec, parse_spec_data, run_id_error
 
 
@@ -62,12 +62,16 @@ class Client:
         return self.store.list_runs(limit, tenant)
 
     def resume(self, run_id: str, by: str = "operator") -> str:
-        """Resume a paused run: enqueue the step it was parked on."""
+        """Resume a paused run: enqueue the step it was parked on, unless its message
+        still waits in the queue (at most one message per waiting step)."""
         from worker.app import send
+        from worker.maintenance import reenqueue
 
-        kind, dispatches = self.store.resume(run_id, by)
-        for dispatch in dispatches:
+        kind, found = self.store.resume(run_id, by)
+        for dispatch in found.sends:
             send(dispatch, self.celery)
+        if found.checks:  # the sweeper's check: RESEND only what is gone from its queue
+            reenqueue(self.store, Recovery(run_id, checks=found.checks), self.celery)
         return "ok" if kind in ("turn", "calls", "none") else kind
 
     def decide(self, run_id: str, call_id: str, approved: bool, reason: str = "",

@@ -452,12 +452,17 @@ next_look()
 return 'ok'
 """
 
+# Each waiting step comes back as RECOVER reads it: re-sent now ('send', a new
+# generation) only when its message is known consumed (its holder was lost, or a
+# worker took it); otherwise 'check': the caller looks for its message in the queue
+# and calls RESEND only if it is gone, so a message still queued is not doubled.
 # ARGV: by
-# -> {'turn', iteration, generation} | {'calls', generation, payload, ...} | {'none'}
+# -> {'turn', 'turn', gen, iteration, 'send'|'check'}
+#  | {'calls', (key, gen, 'send'|'check', payload)...} | {'none'}
 #  | {'not_paused'|'ended'|'missing'}
 RESUME = """
 local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_claimed',
-  'turn_deadline')
+  'turn_deadline', 'turn_gen', 'turn_taken')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
 if st[1] ~= 'paused' then return {'not_paused'} end
@@ -466,20 +471,26 @@ redis.call('HSET', RUN, 'status', 'running', 'paused_at', '', 'pause_deadline', 
 event('control', 'action', 'resume', 'by', arg(1))
 if st[2] == 'turn' then
   if st[4] == '1' and tonumber(st[5]) > NOW then next_look() return {'none'} end
-  local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
+  local gen, what = tonumber(st[6]) or 0, 'check'
+  if st[4] == '1' or (tonumber(st[7]) or 0) >= gen then  -- holder lost, or taken
+    gen, what = redis.call('HINCRBY', RUN, 'turn_gen', 1), 'send'
+  end
   redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', NOW + LEASE)
   next_look()
-  return {'turn', tonumber(st[3]) + 1, gen}
+  return {'turn', 'turn', gen, tonumber(st[3]) + 1, what}
 end
 local out = {'calls'}
 local states = redis.call('HGETALL', CSTATE)
 for i = 1, #states, 2 do
   local c = parse(states[i + 1])
   if c.kind == 'q' or c.kind == 'x' then
-    c.gen, c.deadline = c.gen + 1, NOW + LEASE
+    local what = 'check'
+    if c.taken >= c.gen then c.gen, what = c.gen + 1, 'send' end  -- taken and dropped
+    c.deadline = NOW + LEASE
     put(states[i], c)
-    out[#out + 1] = c.gen
-    out[#out + 1] = redis.call('HGET', CARGS, states[i])
+    for _, v in ipairs({states[i], c.gen, what, redis.call('HGET', CARGS, states[i]) or ''}) do
+      out[#out + 1] = v
+    end
   end
 end
 next_look()

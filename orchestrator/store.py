@@ -323,16 +323,13 @@ class RunStore:
             pause_max_s = 3600.0
         return _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
 
-    def resume(self, run_id: str, by: str = "operator") -> tuple[str, list[Dispatch]]:
-        """Returns ('turn' | 'calls', the messages to send), or a reason and []."""
+    def resume(self, run_id: str, by: str = "operator") -> tuple[str, Recovery]:
+        """('turn' | 'calls' | 'none' | a reason, the waiting steps): ``sends`` are to be
+        sent now; ``checks`` may still be queued, so they are sent again (RESEND) only
+        once found gone, as the sweeper does: one message per waiting step."""
         out = self._run("RESUME", run_id, by)
         kind = _s(out[0])
-        if kind == "turn":
-            return kind, [Dispatch(run_id, int(out[2]), iteration=int(out[1]))]
-        if kind == "calls":
-            return kind, [Dispatch(run_id, int(out[i]), payload=json.loads(out[i + 1]))
-                          for i in range(1, len(out), 2)]  # fmt: skip
-        return kind, []
+        return kind, _recovery(run_id, ["steps", *out[1:]])
 
     def steer(self, run_id: str, text: str, by: str = "operator", source: str = "operator") -> str:
         """'full' when STEER_MAX messages already wait for the next turn. ``source``:
@@ -559,7 +556,8 @@ def _model_of(spec_json: str) -> str:
 
 
 def _recovery(run_id: str, out: list[Any]) -> Recovery:
-    """RECOVER's answer, read: ('turn', gen, iteration, what) / (key, gen, what, payload)."""
+    """RECOVER's (or RESUME's) answer, read: ('turn', gen, iteration, what) / (key, gen,
+    what, payload)."""
     outcome = _s(out[0])
     found = Recovery(run_id, outcome)
     items = out[1:] if outcome == "steps" else []

@@ -177,3 +177,56 @@ def test_the_live_view_counts_calls_waiting_for_a_person():
     assert view.status == "running"
     assert view.lines[0] == "approval pending call=a tool=deploy arguments={} (tooloop approve|deny RUN a)"
     assert view.lines[2] == "approval denied call=a tool=? by=timeout"
+
+
+# -- issue 11, item 14: deadlines come from Redis's clock, not the caller's -------------
+SKEW_S = 3600  # the deciding host runs an hour fast
+
+
+def _skewed(monkeypatch) -> None:
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + SKEW_S)
+
+
+def test_approval_and_lease_deadlines_ignore_a_skewed_host_clock(deployment, spec, monkeypatch):
+    """Park and decide on a host an hour fast: the approval deadline, the call's lease
+    deadline and its lease index score are Redis time plus the duration."""
+    from orchestrator import approvals
+    from orchestrator.keys import shard_of
+
+    d = deployment()
+    d.start_worker("-Q", "turns", "-c", "1", roles=("turns",))  # no tool worker: the call waits
+    s = spec([tools(call("guarded_append", {"text": "x"}, call_id="c1")), {"content": "done"}],
+             tools=["guarded_append"])  # fmt: skip
+    handle = d.client.submit(s)
+    cstate, leases = d.store.keys.call_state(handle.run_id), d.store.keys.leases(shard_of(handle.run_id))
+    wait_for(lambda: d.store.redis.hget(cstate, "1.0"), timeout=30)
+    stored = json.loads(d.store.redis.hget(d.store.keys.call_args(handle.run_id), "1.0"))
+    payload = {**stored, "approval_timeout_s": 600}  # as the tool task's view carries it
+    _skewed(monkeypatch)
+
+    before = d.store.time_ms()
+    assert approvals.park(d.store, payload, {"text": "x"}).verdict == "parked"
+    [waiting] = approvals.pending(d.store, handle.run_id)
+    assert before + 600_000 <= waiting["deadline"] <= d.store.time_ms() + 600_000
+
+    d.store.redis.zadd(leases, {handle.run_id: before + 10**9})  # a later look: DECIDE lowers it
+    before = d.store.time_ms()
+    verdict, _, _ = approvals.decide(d.store, handle.run_id, "c1", approved=True)
+    after = d.store.time_ms()
+    lease_ms = int(d.settings.lease_s * 1000)
+    deadline = int(d.store.redis.hget(cstate, "1.0").split(b"|")[1])
+    assert verdict == "ok" and before + lease_ms <= deadline <= after + lease_ms
+    assert d.store.redis.zscore(leases, handle.run_id) <= after + lease_ms
+
+
+def test_the_judge_flag_ignores_a_skewed_host_clock(deployment, spec, monkeypatch):
+    from worker.supervision import JUDGE_FLAG, claim_judge
+
+    d = deployment()
+    handle = d.client.submit(spec([{"content": "x"}]))
+    _skewed(monkeypatch)
+    before = d.store.time_ms()
+    token = claim_judge(d.store, handle.run_id, 1, ttl_s=10)
+    held = d.store.redis.hget(d.store.keys.supervisor(handle.run_id), JUDGE_FLAG).decode()
+    assert token == held and before + 10_000 <= int(token.split(":")[0]) <= d.store.time_ms() + 10_000

@@ -222,6 +222,37 @@ def test_waiting_tool_calls_keep_one_message_each(deployment, spec):
         assert (run_dir(handle.run_id) / "effects.txt").read_text() == "once\n"
 
 
+def test_a_resume_keeps_one_message_per_waiting_call(deployment, spec):
+    """Pause then resume while the tool pool is out: the call's message still waits in
+    its queue, so the resume adds none; the call runs once when the pool is back."""
+    d = deployment()
+    d.start_worker("-Q", "turns", "-c", "2", roles=("turns",))
+    pool = d.start_worker("-Q", "tools", "-c", "2", roles=("tools",))
+    s = spec([tools(call("append_line", {"text": "once"}), delay=2.0), {"content": "ok"}],
+             tools=["append_line"])  # fmt: skip
+    handle = d.client.submit(s)
+    pool.freeze()  # before the model answers: the call is dispatched to a pool that is out
+    wait_for(lambda: queue_length(d.store, d.store.keys.tool_queue) == 1, timeout=20)
+    assert handle.pause() == "ok" and handle.resume() == "ok"
+    assert queue_length(d.store, d.store.keys.tool_queue) == 1
+    pool.thaw()
+    result = handle.wait(timeout=40)
+    assert [r.output for r in result.tool_calls] == [1], result
+    assert (run_dir(handle.run_id) / "effects.txt").read_text() == "once\n"
+
+
+def test_a_resume_keeps_one_message_per_waiting_turn(deployment, spec, model_server):
+    """No turn worker yet: a pause then resume leaves the queued turn's one message."""
+    d = deployment()
+    s = spec([{"content": "ok"}])
+    handle = d.client.submit(s)
+    assert handle.pause() == "ok" and handle.resume() == "ok"
+    assert queue_length(d.store, d.store.keys.turn_queue) == 1
+    d.start_worker("-Q", "turns", "-c", "2", roles=("turns",))
+    assert handle.wait(timeout=40).content == "ok"
+    assert len(model_server.calls(s["model"])) == 1
+
+
 # -- item 6: abort keeps the in-flight call's record -----------------------------------
 def test_abort_records_the_killed_call(deployment, spec):
     d = deployment()

@@ -24,7 +24,7 @@ import redis
 
 from orchestrator import supervisor as sv
 from orchestrator.models import JudgeSpec, Status
-from orchestrator.store import Finish, RunStore, now_ms
+from orchestrator.store import Finish, RunStore
 from worker import llm
 from worker.app import app, get_store
 from worker.middleware import Middleware, TurnContext
@@ -116,7 +116,7 @@ def claim_judge(store: RunStore, run_id: str, iteration: int, ttl_s: float) -> s
                 if _ended(pipe.hget(run_key, "status")):
                     return None
                 held = _text(pipe.hget(sup_key, JUDGE_FLAG))
-                now = now_ms()
+                now = store.time_ms()  # Redis's clock: a skewed host cannot stretch the flag
                 if held and int(held.split(":")[0]) > now:
                     return None
                 token = f"{now + int(ttl_s * 1000)}:{iteration}"
