@@ -118,6 +118,16 @@ def flower_tasks(base: str, run_id: str) -> list[dict]:
     return [t for t in httpx.get(base + "/api/tasks", timeout=5).json().values() if run_id in t["uuid"]]
 
 
+TOOL_TURN_TASKS = frozenset({"tooloop.turn", "tooloop.tool"})
+
+
+def flower_task_names(base: str, run_id: str, want: frozenset[str] = TOOL_TURN_TASKS) -> set[str] | None:
+    """The names of a run's tasks in Flower once they include all of ``want``: Flower takes
+    in events as they come, so a turn's may be there before its tool's."""
+    names = {t["name"] for t in flower_tasks(base, run_id)}
+    return names if names >= want else None
+
+
 def once_flower_shows(submit: Callable[[], str], shown: Callable[[str], Any]) -> Any:
     """Submit runs (``submit`` returns an ended run's id) until ``shown(run_id)`` finds it in
     Flower, and return what it found: Flower's event receiver may start a moment late."""
