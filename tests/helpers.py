@@ -108,7 +108,11 @@ def flower(env: dict[str, str] | None = None) -> Iterator[str]:
         yield base
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:  # a loaded box: Tornado's shutdown can take longer
+            proc.kill()
+            proc.wait(timeout=20)
 
 
 def flower_tasks(base: str, run_id: str) -> list[dict]:

@@ -225,7 +225,8 @@ def worker_secrets() -> dict:
 def _shown(obj: Any) -> str:
     """An object's fields as text; some reprs fail in the fork (an AMQP transport asks its
     socket, now /dev/null, for its address: ENOTSOCK), so each field is shown on its own."""
-    fields = vars(obj) if hasattr(obj, "__dict__") else {"": obj}
+    # a copy: showing a field may set another (a Celery app fills its cached properties)
+    fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {"": obj}
     shown = []
     for name, value in fields.items():
         try:
