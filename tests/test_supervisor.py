@@ -216,8 +216,11 @@ def test_judge_fail_steers_with_its_reason(client, worker, spec, store, model_se
     assert (result.status, result.content) == (Status.completed, "changed plan")
     last = model_server.calls(s["model"])[-1]
     # the verdict is the judge's (a model's text): a user message marked [judge], never system
-    [steer] = guidance(last, reason)
-    assert steer["role"] == "user" and steer["content"].startswith("[judge] An automated judge")
+    # one verdict per judged turn: on a loaded box a second judge may fail the run again
+    # before the first steer reaches the model
+    steers = guidance(last, reason)
+    assert steers and all(m["role"] == "user" and m["content"].startswith("[judge] An automated judge")
+                          for m in steers)  # fmt: skip
     assert "Guidance from your operator" not in json.dumps(last["messages"])
     events = sup_events(store, handle.run_id)
     assert ("judge", "steer", "failed") in {(e["rule"], e["action"], e["verdict"]) for e in events}
