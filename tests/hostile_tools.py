@@ -179,8 +179,16 @@ def identity() -> dict:
         "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
         "cwd": os.getcwd(), "pid": os.getpid(), "hostname": socket.gethostname(),
         "no_new_privs": status["NoNewPrivs"].strip(), "limits": limits,
-        "sid": os.getsid(0),
+        "sid": os.getsid(0), "ppid": os.getppid(),
     }  # fmt: skip
+
+
+@_both
+def imported(names: list[str]) -> list[str]:
+    """Which of ``names`` the call's process has loaded (what it inherited of its parent)."""
+    import sys
+
+    return [name for name in names if name in sys.modules]
 
 
 @_both

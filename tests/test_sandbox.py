@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -39,8 +40,10 @@ from orchestrator.settings import Settings, get_settings
 from orchestrator.validation import SpecError
 from tests import hostile_tools as hostile
 from tests.conftest import ROOT, WorkerProcess
+from tests.helpers import wait_for
 from worker import builtins, sandbox
-from worker.sandbox import CallOutcome, SandboxContext, layers, run_call
+from worker.registry import REGISTRY, tool
+from worker.sandbox import CallOutcome, SandboxContext, layers, run_call, zygote
 
 BWRAP = layers("auto")["bwrap"]
 KERNEL = sandbox.kernel.status()  # why Landlock / its TCP rules / seccomp are off ("" when on)
@@ -573,6 +576,72 @@ def test_without_pidfd_the_watch_polls(layer: Layer, monkeypatch) -> None:
     assert gone(lambda: alive(mark))
 
 
+# -- the fork server (worker/sandbox/zygote.py) ---------------------------------------------------
+FORK = Layer("fork", "basic", False)
+WORKER_MODULES = ["celery", "kombu", "redis", "orchestrator.store", "orchestrator.client", "worker.app"]
+
+
+def fresh_server() -> zygote.Zygote:
+    """This process's fork server, started anew (so that it sees the environment as it is now)."""
+    old = zygote._zygotes.pop(os.getpid(), None)
+    if old:
+        old.stop()
+    server = zygote.for_this_process()
+    assert server is not None and server.alive()
+    return server
+
+
+def test_forked_calls_start_from_the_fork_server_not_the_worker(monkeypatch) -> None:
+    """The worker forks nothing per call: a small interpreter without Celery, Redis clients
+    or tooloop's settings forks each call's process (one per call, as before)."""
+    monkeypatch.setenv("TOOLOOP_SECRET_KEY", f"sealing-{uuid.uuid4().hex[:6]}")
+    server = fresh_server()
+    first, second = FORK.ok(hostile.identity), FORK.ok(hostile.identity)
+    assert first["ppid"] == second["ppid"] == server.proc.pid != os.getpid()
+    assert first["pid"] != second["pid"]
+    for name in WORKER_MODULES:  # this process plays the worker
+        __import__(name)
+    assert FORK.ok(hostile.imported, names=WORKER_MODULES) == []  # in the call's
+    with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+        env = [item.split(b"=", 1)[0].decode() for item in f.read().split(b"\0") if b"=" in item]
+    assert "TOOLOOP_SECRET_KEY" in os.environ
+    assert [k for k in env if k.startswith("TOOLOOP_") and not k.startswith("TOOLOOP_ZYGOTE_")] == []
+
+
+def test_a_call_dies_with_its_fork_server_and_the_next_call_gets_a_new_server() -> None:
+    server = fresh_server()
+    mark = marker()
+    outcome: list[CallOutcome] = []
+    call = threading.Thread(target=lambda: outcome.append(FORK.call(hostile.escape, marker=mark, wait=30)))
+    call.start()
+    wait_for(lambda: alive(mark), 10)  # the tool started
+    started = time.monotonic()
+    os.kill(server.proc.pid, signal.SIGKILL)
+    call.join(15)
+    assert not call.is_alive() and time.monotonic() - started < 10
+    assert outcome[0].error and outcome[0].error.startswith("Killed"), outcome[0].error
+    assert gone(lambda: alive(mark))  # what it started went with it
+    again = FORK.ok(hostile.identity)
+    assert again["ppid"] == zygote.for_this_process().proc.pid != server.proc.pid
+
+
+def test_a_tool_the_fork_server_cannot_import_forks_from_the_worker() -> None:
+    """A tool defined where a fresh interpreter cannot find it (here: inside a function)."""
+
+    def where() -> int:
+        """The parent of the call's process."""
+        return os.getppid()
+
+    fresh_server()
+    tool(name=f"where_{uuid.uuid4().hex[:6]}")(where)
+    try:
+        assert FORK.ok(where) == os.getpid()
+        assert FORK.ok(hostile.identity)["ppid"] != os.getpid()
+    finally:
+        for name in [n for n, t in REGISTRY.items() if t.fn is where]:
+            del REGISTRY[name]
+
+
 # -- the fork layer's copy of the worker's memory ----------------------------------------------------
 @pytest.fixture
 def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
@@ -955,14 +1024,15 @@ def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None
 
 
 def _idle_spares(worker: WorkerProcess) -> list[int]:
-    """The waiting spare processes: forks of the tool pool's processes (same command line),
-    one level below the pool processes, below the tools worker's main process."""
+    """The waiting spare processes: children of the fork servers (worker/sandbox/zygote.py)
+    that the tool pool's processes started, below the tools worker's main process."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
     rows = [line.split(None, 2) for line in out.stdout.splitlines()]
     tools = {int(pid): int(ppid) for pid, ppid, args in rows if f"tools@{worker.name}" in args}
     main = [pid for pid, ppid in tools.items() if ppid == worker.proc.pid]
     pool = [pid for pid, ppid in tools.items() if ppid in main]
-    return [pid for pid, ppid in tools.items() if ppid in pool]
+    servers = [int(pid) for pid, ppid, args in rows if int(ppid) in pool and "sandbox fork server" in args]
+    return [int(pid) for pid, ppid, _ in rows if int(ppid) in servers]
 
 
 def test_e2e_each_call_gets_a_fresh_process_even_from_a_spare(sbx, spec) -> None:

@@ -27,7 +27,7 @@ from worker.sandbox.reaper import (
     _reap_sandbox_zombies,
     _sweep,
 )
-from worker.sandbox.spare import _pending, _run_pending, _take_spare
+from worker.sandbox.spare import _pending, _run_pending, _Spare, _take_spare
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,14 @@ class _Call:
         self.exited = False
         self.status: int | None = None  # set when reaped while watching (no pidfd)
         self.clean = False  # ended the usual way: only zombies may be left to reap
+        self.spare: _Spare | None = None  # the spare process that ran the call
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
         spare = _take_spare(fn, kwargs, self.plan)
         before = set() if self.root else set(_children()) - {spare.pid if spare else 0}
         if spare is not None:
-            self.pid, read_fd = spare.pid, spare.result_fd
+            self.pid, read_fd, self.spare = spare.pid, spare.result_fd, spare
         else:
             started = self._fork(fn, kwargs)
             if isinstance(started, CallOutcome):
@@ -161,6 +162,11 @@ class _Call:
 
     def _reaped(self) -> bool:
         """Without a pidfd: has the call's process exited? (reaps it)"""
+        if self.spare is not None and self.spare.server is not None:  # not our child: its server's
+            if not self.spare.ended():
+                return False
+            self.status = self.spare.wait()
+            return True
         pid, status = os.waitpid(self.pid, os.WNOHANG)
         if pid:
             self.status = status
@@ -184,9 +190,11 @@ class _Call:
         status = self.status
         if status is None:
             try:
-                _, status = os.waitpid(self.pid, 0)
+                status = self.spare.wait() if self.spare is not None else os.waitpid(self.pid, 0)[1]
             except ChildProcessError:
                 status = 0
+            except OSError:  # the fork server died, and its calls with it
+                status = signal.SIGKILL
         reported = clean_stop and reader.complete and os.WIFEXITED(status) and status == 0
         if self.plan.uid is not None and not reported:  # it did not get to kill(-1) its own uid: we do
             _kill_uid(self.plan.uid)

@@ -16,8 +16,6 @@ import contextlib
 import sys
 from typing import Any
 
-from orchestrator.connections import CONNECTION_FIELDS, forget_credentials
-
 SECRET_FIELDS = ("secret_key", "redis_url", "broker_url", "api_tokens")  # of orchestrator.settings.Settings
 CELERY_URLS = ("broker_url", "result_backend", "broker_read_url", "broker_write_url")
 
@@ -33,7 +31,7 @@ def forget_worker_state() -> None:
     if app_module is not None:
         settings.append(getattr(app_module.app, "tooloop_settings", None))
         if app_module.get_store.cache_info().currsize:
-            forget_credentials(app_module.get_store().redis)
+            forget_client(app_module.get_store().redis)
             app_module.get_store.cache_clear()
         _forget_celery(app_module.app)
     for found in settings:
@@ -60,14 +58,22 @@ def _forget_celery(app: Any) -> None:
         if backend is not None:
             backend.__dict__["url"] = None
             _forget_kwargs(getattr(backend, "connparams", None))
-            forget_credentials(backend.__dict__.get("client"))
+            forget_client(backend.__dict__.get("client"))
     pools = sys.modules.get("kombu.pools")
     if pools is not None:  # (dict.clear: closing them would talk to the broker)
         for group in (pools.connections, pools.producers):
             dict.clear(group)
 
 
+def forget_client(client: Any) -> None:
+    from orchestrator.connections import forget_credentials  # (loaded where there is a client)
+
+    forget_credentials(client)
+
+
 def _forget_kwargs(kwargs: Any) -> None:
+    from orchestrator.connections import CONNECTION_FIELDS
+
     if isinstance(kwargs, dict):
         for key in CONNECTION_FIELDS:
             kwargs.pop(key, None)

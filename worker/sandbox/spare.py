@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from worker.sandbox import zygote
 from worker.sandbox.child import (
     _confine,
     _detach,
@@ -42,6 +43,7 @@ from worker.sandbox.constants import REQUEST_FD, RESULT_FD
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 from worker.sandbox.plan import _Plan
+from worker.sandbox.zygote import Zygote
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,21 @@ class _Spare:
     request_fd: int  # the worker writes the call here (pickle: worker -> its own fork)
     result_fd: int  # the call's framed JSON result comes back here
     kept: tuple[int, ...] = ()  # Landlock network rulesets it inherited (built once per process)
+    server: Zygote | None = None  # forked by this process's fork server, not by this process
+
+    def wait(self) -> int:
+        """Its exit status (it must be ending): reaped here, or by the fork server."""
+        if self.server is not None:
+            return self.server.wait(self.pid)
+        return os.waitpid(self.pid, 0)[1]
+
+    def ended(self) -> bool:
+        """Exited (a zombie, or reaped)? For a spare of the fork server, which reaps it."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
 
     def send(self, request: tuple[Any, ...]) -> None:
         data = pickle.dumps(request)
@@ -68,8 +85,8 @@ class _Spare:
                 os.close(fd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            self.wait()
 
 
 BUSY_GAP_S = 0.005  # a call arriving sooner than this after the last settle(): busy
@@ -78,6 +95,7 @@ _spares: dict[int, _Spare] = {}  # pool process pid -> its spare
 _spare_wanted: set[int] = set()  # pool processes that run forked calls, not busy
 _pending: list[Callable[[], Any]] = []  # cleanups of calls whose result is in
 _settled_at: dict[int, float] = {}  # pool process pid -> when its last settle() ended
+_served: dict[int, Zygote | None] = {}  # pool process pid -> the fork server its last call used
 
 
 def settle() -> None:
@@ -86,7 +104,7 @@ def settle() -> None:
     _run_pending()
     if os.getpid() in _spare_wanted and os.getpid() not in _spares:
         try:
-            _spares[os.getpid()] = _spawn_spare()
+            _spares[os.getpid()] = _spawn_spare(_served.get(os.getpid()))
         except OSError:
             log.warning("sandbox: cannot fork a spare process; calls fork on demand", exc_info=True)
     _settled_at[os.getpid()] = time.monotonic()
@@ -105,23 +123,48 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
     """This process's spare, with the call sent to it; None: fork on demand."""
     if plan.layer != "fork":
         return None
+    name = _registered_name(fn)
+    net_fd = plan.confine.net_fd if plan.confine is not None else None
+    server = _server(name) if net_fd is None else None
+    _served[os.getpid()] = server
+    if server is not None:  # a spare from the fork server: cheap for this process, always kept
+        _spare_wanted.add(os.getpid())
+        spare = _spares.pop(os.getpid(), None)
+        if spare is not None and spare.server is not server:
+            spare.discard()
+            spare = None
+        try:
+            spare = spare or _spawn_spare(server)
+            spare.send((plan, None, None, name, kwargs))
+        except OSError:  # it died meanwhile, or the server did: fork here
+            if spare is not None:
+                spare.discard()
+            return None
+        return spare
     busy = time.monotonic() - _settled_at.get(os.getpid(), 0.0) < BUSY_GAP_S
     (_spare_wanted.discard if busy else _spare_wanted.add)(os.getpid())
-    name = _registered_name(fn)
     spare = _spares.pop(os.getpid(), None)
-    net_fd = plan.confine.net_fd if plan.confine is not None else None
-    if spare is None or name is None or (net_fd is not None and net_fd not in spare.kept):
+    unfit = spare is None or name is None or spare.server is not None
+    if unfit or (net_fd is not None and net_fd not in spare.kept):
         if spare is not None:
             _spares[os.getpid()] = spare
         return None
     env_drop = [k for k in _worker_env_keys(os.getpid()) if k not in plan.env]
     limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
     try:
-        spare.send((plan, env_drop, limits, name, kwargs, os.getpid()))
+        spare.send((plan, env_drop, limits, name, kwargs))
     except OSError:  # it died meanwhile (killed from outside?)
         spare.discard()
         return None
     return spare
+
+
+def _server(name: str | None) -> Zygote | None:
+    """This process's fork server, if it can run the tool ``name``."""
+    if name is None or os.environ.get("TOOLOOP_SANDBOX_FORK_SERVER", "1") == "0":
+        return None
+    server = zygote.for_this_process()
+    return server if server is not None and name in server.tools else None
 
 
 def _registered_name(fn: Callable[..., Any]) -> str | None:
@@ -130,24 +173,41 @@ def _registered_name(fn: Callable[..., Any]) -> str | None:
     return next((name for name, t in REGISTRY.items() if t.fn is fn), None)
 
 
-def _spawn_spare() -> _Spare:
+def _spawn_spare(server: Zygote | None = None) -> _Spare:
+    """A spare process: forked by ``server``, or by this process."""
+    request_r, request_w = os.pipe()
+    result_r, result_w = os.pipe()
+    try:
+        if server is not None:
+            return _Spare(server.spawn(request_r, result_w), request_w, result_r, (), server)
+        kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
+        return _Spare(fork_spare(request_r, result_w, (request_w, result_r)), request_w, result_r, kept)
+    except BaseException:
+        os.close(request_w)
+        os.close(result_r)
+        raise
+    finally:
+        os.close(request_r)
+        os.close(result_w)
+
+
+def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
+    """Fork a spare holding these pipe ends (``close``: this process's other descriptors
+    the child must not keep); its pid."""
     facts = _Facts(fds=[int(n) for n in os.listdir("/proc/self/fd")],
                    handlers=_handlers(os.getpid()), env_drop=[], limits=[])  # fmt: skip
     kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
-    request_r, request_w = os.pipe()
-    result_r, result_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never returns
-        os.close(request_w)
-        os.close(result_r)
+        for fd in close:
+            os.close(fd)
         _spare_main(facts, result_w, request_r, kept)
-    os.close(request_r)
-    os.close(result_w)
-    return _Spare(pid, request_w, result_r, kept)
+    return pid
 
 
 def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, ...]) -> NoReturn:
     code = 1
+    parent = os.getppid()  # the worker, or its fork server: the call dies with it
     try:
         high_w, high_r = fcntl.fcntl(result_w, fcntl.F_DUPFD, 10), fcntl.fcntl(request_r, fcntl.F_DUPFD, 10)
         os.dup2(high_w, RESULT_FD)  # first: errors below are reported through it
@@ -160,8 +220,12 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
         if request is None:  # the worker went away (or changed its mind)
             code = 0
             return
-        plan, env_drop, limits, name, kwargs, parent = request
+        plan, env_drop, limits, name, kwargs = request
         from worker.registry import REGISTRY
+
+        if env_drop is None:  # a fork server's spare: its own environment and address space
+            env_drop = [k for k in os.environ if k not in plan.env]
+            limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
 
         _enter(plan, env_drop)
         _confine(plan, _Facts(facts.fds, [], env_drop, limits), parent, drop=plan.gid is not None)
