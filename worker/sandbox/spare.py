@@ -1,18 +1,22 @@
-"""Spare processes: the fork, off the hot path.
+"""Spare processes: the fork, off the hot path, and away from the worker.
 
-A forked call pays for fork(), exit and reaping of a ~50 MB worker (~2.5 ms here).
-So each pool process keeps one spare: forked (and detached: own session, no worker
-descriptors) after the previous call was recorded, it waits for exactly one call,
-then confines itself as a fresh fork would. One process per call, as before.
+A spare is a process forked ahead of its call (detached: own session, no inherited
+descriptors) that waits for exactly one call, then confines itself as a fresh fork
+would. One process per call, as before.
+
+Where the tool is one the pool process's fork server (``worker/sandbox/zygote.py``)
+imported, the server forks the spares: the worker itself never forks per call, which
+was most of a tool-turn's CPU (its page tables copied and torn down, and every page
+it wrote while a spare shared it copied). A server's spare is cheap for the worker, so
+one is always kept, and one is asked for on demand when calls come back to back.
+
+Otherwise (a tool the server could not import, or a call allowed onto the network,
+whose Landlock ruleset lives in the worker) the pool process forks: it keeps a spare
+only while calls reach it with a pause between them (BUSY_GAP_S), because while a
+spare of its own waits, every page it writes is copied.
 
 ``settle()`` (after a call's result is recorded) reaps what the previous call left
-and forks the spare; ``_take_spare`` hands it the next call.
-
-A spare costs CPU: while it waits, every page the worker writes is copied (measured
-here: ~2 ms more CPU per call, for ~2.5 ms less latency). So a pool process only
-keeps one while calls reach it with a pause between them; a busy one (a call came
-within BUSY_GAP_S of the previous one being settled) forks on demand, which is
-cheaper per call when calls queue up anyway."""
+and makes the next spare; ``_take_spare`` hands it the next call."""
 
 from __future__ import annotations
 
