@@ -17,7 +17,10 @@ is ours alone). Also printed: Redis memory per finished run, RSS per turn and pe
 tool process. ``--profile`` records each worker process with py-spy during the
 tools phase (flame graphs and collapsed stacks in docs/bench/).
 
-    python bench/cpu_per_turn.py [--runs 40] [--turns 10] [--long-runs 4] [--profile]
+Then the plain and tools phases again on a worker whose calls fork from its pool
+processes (the fork server off, as before it): the ratio, measured in the same run.
+
+    python bench/cpu_per_turn.py [--runs 40] [--turns 10] [--long-runs 4] [--profile] [--no-compare-fork]
 """
 
 from __future__ import annotations
@@ -124,17 +127,20 @@ class Bench:
                 total += store.redis.memory_usage(key, samples=0) or 0
         return total / max(1, len(self.finished))
 
-    def rss(self, turn_queue: str, tool_queue: str) -> tuple[int, int]:
-        """Largest RSS of a turn process, and of a tool process (pool parent or child)."""
-        turn, tool = 0, 0
+    def rss(self, turn_queue: str, tool_queue: str) -> tuple[int, int, int]:
+        """Largest RSS of a turn process, of a tool process (pool parent or child), and of
+        a pool child's sandbox fork server."""
+        turn, tool, server = 0, 0, 0
         everything = procs.tree(self.worker_pid)
         tool_parents = {p.pid for p in everything if f"-Q {tool_queue}" in p.cmdline}
         for p in everything:
             if f"-Q {turn_queue}" in p.cmdline:
                 turn = max(turn, p.rss)
+            elif "sandbox fork server" in p.cmdline:
+                server = max(server, p.rss)
             elif p.pid in tool_parents or p.ppid in tool_parents:
                 tool = max(tool, p.rss)
-        return turn, tool
+        return turn, tool, server
 
 
 RAW = Path(tempfile.gettempdir()) / "tooloop-profiles"  # collapsed stacks: megabytes, not kept
@@ -172,6 +178,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--long-runs", type=int, default=4, help="runs of 100 tool-turns (0: skip)")
     parser.add_argument("--profile", action="store_true", help="py-spy the worker during the tools phase")
+    parser.add_argument("--no-compare-fork", dest="compare_fork", action="store_false",
+                        help="skip the same phases with calls forked from the worker (fork server off)")
     args = parser.parse_args()
     with ExitStack() as stack:
         env = environment(stack, "examples.tools")
@@ -190,14 +198,36 @@ def main() -> None:
             shares_report(sorted(RAW.glob("profile-tools-*.txt")))
         long = bench.phase(args.long_runs, LONG_TURNS, long=True) if args.long_runs else None
         rss = bench.rss(client.store.keys.turn_queue, client.store.keys.tool_queue)
-    report(args, head, idle, plain, tools, long, memory, rss)
+        worker.stop()
+        forked = forks_from_the_worker(args, env, client, model_server) if args.compare_fork else None
+    report(args, head, idle, plain, tools, long, memory, rss, forked)
+
+
+def forks_from_the_worker(args, env: dict[str, str], client, model_server) -> tuple[Phase, Phase]:
+    """The plain and tools phases again, same run, on a worker whose tool calls are forked
+    from its pool processes (TOOLOOP_SANDBOX_FORK_SERVER=0), as before the fork server."""
+    from orchestrator.local import WorkerProcess
+
+    worker = WorkerProcess("cpu-forks", env={**env, "TOOLOOP_SANDBOX_FORK_SERVER": "0"})
+    try:
+        worker.wait_ready(client.store)
+        bench = Bench(client, model_server, worker.proc.pid)
+        bench.phase(8, 3)
+        return bench.phase(args.runs, 0), bench.phase(args.runs, args.turns)
+    finally:
+        worker.stop()
+
+
+def per_turn(plain: Phase, tools: Phase, runs: int) -> tuple[float, float]:
+    """CPU s per plain turn, per tool-turn (a tool run's CPU less its runs' plain turns)."""
+    per_plain = plain.cpu_s / runs
+    return per_plain, (tools.cpu_s - runs * per_plain) / tools.tool_turns
 
 
 def report(args, head: list[str], idle: float, plain: Phase, tools: Phase, long: Phase | None,
-           memory: float, rss: tuple[int, int]) -> None:  # fmt: skip
+           memory: float, rss: tuple[int, int, int], forked: tuple[Phase, Phase] | None) -> None:  # fmt: skip
     n, t = args.runs, args.turns
-    per_plain = plain.cpu_s / n
-    per_tool = (tools.cpu_s - n * per_plain) / tools.tool_turns
+    per_plain, per_tool = per_turn(plain, tools, n)
     redis_plain = plain.redis_cpu_s / n
     redis_tool = (tools.redis_cpu_s - n * redis_plain) / tools.tool_turns
     ms = 1000
@@ -229,9 +259,19 @@ def report(args, head: list[str], idle: float, plain: Phase, tools: Phase, long:
     top = sorted(tools.redis_usec.items(), key=lambda kv: -kv[1])[:6]
     lines.append("  Redis command time per tool-turn (commandstats, all-in): " + ", ".join(
         f"{name} {usec / tools.tool_turns:.0f} us" for name, usec in top))  # fmt: skip
+    if forked is not None:
+        _, forked_tool = per_turn(*forked, n)
+        pool, forked_pool = (p.by_role.get("tools", 0.0) / p.tool_turns for p in (tools, forked[1]))
+        lines += [
+            f"  tool-turn, calls forked from the worker {forked_tool * ms:5.2f} ms   (same run, "
+            f"TOOLOOP_SANDBOX_FORK_SERVER=0: x{per_tool / forked_tool:.2f} with the fork server)",
+            f"  tools pool, calls forked from the worker {forked_pool * ms:4.2f} ms   "
+            f"(x{pool / forked_pool:.2f} with the fork server)",
+        ]
     lines += [
         f"  Redis per finished {t}-turn run        {memory / 1024:7.1f} KiB   (target <= 64)",
-        f"  RSS turn process / tool process       {rss[0] / 2**20:5.0f} MB / {rss[1] / 2**20:.0f} MB",
+        f"  RSS turn process / tool process       {rss[0] / 2**20:5.0f} MB / {rss[1] / 2**20:.0f} MB "
+        f"(+ {rss[2] / 2**20:.0f} MB: its sandbox fork server)",
     ]
     publish("cpu_per_turn", lines)
 

@@ -5,12 +5,14 @@ what a Celery pool child's fork copies):
   in-process   ``add(2, 3)`` called directly: no sandbox at all;
   bare fork    ``os.fork()`` + ``_exit`` + ``waitpid``: the floor of any forked layer;
   fork         ``run_call`` of a default ``@tool`` (the always-layer, Landlock and seccomp),
-               all included;
+               all included, its process forked by the fork server (worker/sandbox/zygote.py);
+  fork from the worker  the same with the fork server off (TOOLOOP_SANDBOX_FORK_SERVER=0);
   fork, no kernel layers  the same without Landlock and seccomp: their cost is the difference;
   fork, runs hidden  the Landlock rules of a worker that is not root (the folders of all
                runs unreadable: a rule per entry beside them);
   fork, hot path  the same as a tool worker runs it: a spare process forked after the
                previous call (untimed, as it happens after the record), cleanup deferred;
+               with the fork server, and from the worker;
   exec         ``run_call`` of a strict tool, TOOLOOP_SANDBOX=basic (fresh interpreter);
   exec, no kernel layers  the same without Landlock and seccomp;
   bwrap        ``run_call`` of a strict tool in bubblewrap;
@@ -71,6 +73,7 @@ def layer_calls(root: str) -> dict[str, Callable[[], Any]]:
         "in-process": lambda: sandbox.jsonable(add(2, 3)),
         "bare fork": bare_fork,
         "fork": fork,
+        "fork from the worker": from_worker(fork),
         "fork, no kernel layers": patched(fork, bare),
         "fork, runs hidden": patched(fork, {"_hides_runs": lambda uid, layer: True}),
         "exec": exec_,
@@ -96,6 +99,19 @@ def patched(fn: Callable[[], Any], names: dict[str, Any]) -> Callable[[], Any]:
         finally:
             for name, value in saved.items():
                 setattr(plan, name, value)
+
+    return call
+
+
+def from_worker(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the fork server off: the call's process is forked from this process."""
+
+    def call(*args: Any) -> Any:
+        os.environ["TOOLOOP_SANDBOX_FORK_SERVER"] = "0"
+        try:
+            return fn(*args)
+        finally:
+            del os.environ["TOOLOOP_SANDBOX_FORK_SERVER"]
 
     return call
 
@@ -145,12 +161,14 @@ def measure(rounds: int, calls: int) -> dict[str, float]:
     layers = layer_calls(root)
     samples: dict[str, list[float]] = {name: [] for name in layers}
     once = hot_path(root)
-    samples["fork, hot path"] = []
+    hot = {"fork, hot path": once, "fork from the worker, hot path": from_worker(once)}
+    samples.update({name: [] for name in hot})
     for _ in range(rounds):  # interleaved: load changes hit every layer alike
         for name, fn in layers.items():
             n = calls if name == "in-process" or name.startswith(("bare", "fork")) else max(5, calls // 4)
             samples[name].append(per_call_ms(fn, n * (100 if name == "in-process" else 1)))
-        samples["fork, hot path"].append(hot_path_ms(once, calls))
+        for name, fn in hot.items():
+            samples[name].append(hot_path_ms(fn, calls))
     return {name: median(values) for name, values in samples.items()}
 
 

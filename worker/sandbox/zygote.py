@@ -41,6 +41,7 @@ _BOOT = (
     "from worker.sandbox.zygote import main; main()  # tooloop sandbox fork server"
 )
 _KEPT_STATUSES = 4096  # exit statuses of processes nobody asked about yet, at most
+START_TIMEOUT_S = 60.0  # for the server to import the tool modules (a hung import: no server)
 
 
 def tool_names(registry: dict[str, Any]) -> dict[str, str]:
@@ -70,9 +71,15 @@ class Zygote:
         self.sock = ours
         self.lock = threading.Lock()  # one request and its answer at a time
         wanted = tool_names(REGISTRY)
-        hello = pickle.dumps(sorted({where.split(":")[0] for where in wanted.values()}))
-        self.sock.sendall(len(hello).to_bytes(8, "big") + hello)
-        have: dict[str, str] = pickle.loads(self._exactly(int.from_bytes(self._exactly(8), "big")))
+        try:  # it imports the tool modules, then says which tools it found the same way
+            self.sock.settimeout(START_TIMEOUT_S)
+            hello = pickle.dumps(sorted({where.split(":")[0] for where in wanted.values()}))
+            self.sock.sendall(len(hello).to_bytes(8, "big") + hello)
+            have: dict[str, str] = pickle.loads(self._exactly(int.from_bytes(self._exactly(8), "big")))
+            self.sock.settimeout(None)
+        except BaseException:
+            self.stop()
+            raise
         self.tools = {name for name, where in wanted.items() if have.get(name) == where}
 
     def alive(self) -> bool:
@@ -117,7 +124,11 @@ _zygotes: dict[int, Zygote | None] = {}  # pool process pid -> its fork server (
 
 
 def for_this_process() -> Zygote | None:
-    """This process's fork server, started on first use (and again if it died)."""
+    """This process's fork server, started on first use (and again if it died). Only from
+    the main thread: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    if threading.current_thread() is not threading.main_thread():
+        current = _zygotes.get(os.getpid())
+        return current if current is not None and current.alive() else None
     current = _zygotes.get(os.getpid(), False)
     if current is None or (current and current.alive()):
         return current or None
