@@ -22,6 +22,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/cpu_per_turn.py
 	$(PY) bench/concurrency.py
 	$(PY) bench/overhead.py
