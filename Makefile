@@ -28,6 +28,7 @@ bench: install
 	$(PY) bench/overhead.py
 	$(PY) bench/cli_startup.py
 	$(PY) bench/sandbox_overhead.py
+	$(PY) bench/fork_cpu.py
 	$(PY) bench/worker_rss.py
 
 chaos: install
