@@ -29,6 +29,7 @@ bench: install
 	$(PY) bench/cli_startup.py
 	$(PY) bench/sandbox_overhead.py
 	$(PY) bench/fork_cpu.py
+	$(PY) bench/llm_call_cpu.py
 	$(PY) bench/worker_rss.py
 
 chaos: install
