@@ -358,11 +358,12 @@ def api(
 
 
 def main() -> None:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     try:
         app()
-    except RedisConnectionError as exc:
+    except Exception as exc:
+        errors = sys.modules.get("redis.exceptions")  # (loaded by the commands that use Redis: not --help)
+        if errors is None or not isinstance(exc, errors.ConnectionError):
+            raise
         _err(f"error: Redis unreachable at TOOLOOP_REDIS_URL: {exc}")
         sys.exit(1)
 
