@@ -339,3 +339,11 @@ def test_a_plain_celery_worker_serves_turns_and_tools(deployment, spec) -> None:
     finally:
         celery.terminate()
         celery.wait(timeout=30)
+
+
+def test_a_command_with_redis_unreachable_says_so_and_exits_1() -> None:
+    from orchestrator.local import free_port
+
+    done = tooloop("status", "some-run", env={"TOOLOOP_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+    assert done.returncode == 1, done.stderr
+    assert "error: Redis unreachable at TOOLOOP_REDIS_URL" in done.stderr and "Traceback" not in done.stderr
