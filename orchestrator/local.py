@@ -42,7 +42,7 @@ def embedded_redis() -> tuple[str, Any]:
     return f"redis://127.0.0.1:{port}/0", server
 
 
-def _stop_with_parent() -> None:
+def stop_with_parent() -> None:
     """In the child, before exec: SIGTERM (a warm shutdown) when the process that started
     it dies, even by SIGKILL or a ``timeout`` that skips its clean-up, so no worker of a
     dead demo or test session goes on consuming from its queues."""
@@ -62,7 +62,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
                 env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-                stdout=out, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent,
+                stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
             )  # fmt: skip
 
     def wait_ready(self, store: Any, roles: tuple[str, ...] = ("turns", "tools"),

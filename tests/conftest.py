@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.local import WorkerProcess, free_port, redis_answers
+from orchestrator.local import WorkerProcess, free_port, redis_answers, stop_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 _started: list[subprocess.Popen] = []
@@ -42,7 +42,7 @@ def start_redis(port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=stop_with_parent,
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
@@ -62,6 +62,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="broker/store pairings the loop, durability and control suites run on "
              f"(comma-separated among {', '.join(STACKS)})",
     )  # fmt: skip
+    parser.addoption(
+        "--fast", action="store_true",
+        help="the inner loop (make test-fast): tests that start no worker and no model, and one "
+             "end-to-end test per capability (marked smoke), on the default stack only",
+    )  # fmt: skip
+
+
+# What a test needs that makes it slow: workers, the scripted model, servers of its own.
+SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_redis", "amqp_url", "sbx"})
+# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse): the tests
+# that use one run in a single xdist process, so it is set up once per session.
+SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,15 +105,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("stack", wanted, indirect=True, scope="session")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """One stack after the other (the default one first): each stack's worker starts once."""
+def stack_of(item: pytest.Item) -> str | None:
+    return getattr(getattr(item, "callspec", None), "params", {}).get("stack")
 
-    def rank(item: pytest.Item) -> int:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        return STACKS.index(params["stack"]) if "stack" in params else 0
 
-    items.sort(key=rank)
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One stack after the other (the default one first), so that in one process each
+    stack's worker starts once. Under pytest-xdist (``make test``) each stack but the
+    default one is also a group that a single process runs from start to end: its servers
+    and worker start once in the whole session (xdist hands out the largest groups first);
+    so are the tests of a module that share a costly module fixture."""
+    if config.getoption("fast"):
+        keep = [i for i in items if i.get_closest_marker("smoke") or not SLOW_FIXTURES & set(i.fixturenames)]
+        keep = [i for i in keep if stack_of(i) in (None, "redis")]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+    items.sort(key=lambda item: STACKS.index(stack_of(item) or "redis"))
+    for item in items:
+        stack = stack_of(item)
+        if stack not in (None, "redis"):
+            item.add_marker(pytest.mark.xdist_group(f"stack-{stack}"))
+        elif SHARED_MODULE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -388,7 +414,7 @@ def aof_redis(tmp_path):
         proc: subprocess.Popen
 
         def start(self) -> None:
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, preexec_fn=stop_with_parent)
             from tests.helpers import wait_for
 
             wait_for(lambda: redis_answers(url), timeout=10)

@@ -1,6 +1,8 @@
 """Servers the broker/store matrix starts for itself: a RabbitMQ vhost per session, a Redis
 Cluster, a TLS Redis, a sentinel over a primary and a replica. All on loopback, all owned
-by the test session (the shared Redis and RabbitMQ are never reconfigured)."""
+by the test session (the shared Redis and RabbitMQ are never reconfigured). Each server
+stops with the process that started it, even when that process is killed: a crashed
+pytest-xdist process leaves no servers behind."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from orchestrator.local import free_port
+from orchestrator.local import free_port, stop_with_parent
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -65,7 +67,7 @@ def start_redis_server(port: int, folder: Path, *extra: str) -> subprocess.Popen
     return subprocess.Popen(
         [redis_binary() or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(folder), "--logfile", str(log), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=stop_with_parent,
     )  # fmt: skip
 
 
@@ -317,7 +319,7 @@ class SentinelGroup(_Servers):
         log = str(self.folder / "sentinel.log")
         self.procs[self.sentinel] = subprocess.Popen(
             [redis_binary() or "redis-server", str(conf), "--sentinel", "--logfile", log],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=stop_with_parent)  # fmt: skip
         for port in self.procs:
             wait_ping(port)
         self.wait_primary(self.primary)

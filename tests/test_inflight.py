@@ -143,3 +143,13 @@ def test_warm_shutdown_hands_back_turns_that_outlast_it(deployment, spec, model_
     results = [h.wait(timeout=60) for h in handles]
     assert_completed_once(results, turns=2)
     assert [r.content for r in results] == ["three"] * runs
+
+
+def test_a_second_turn_process_starts_only_past_one_process_of_threads():
+    """A few calls in flight share one process (one copy of litellm, ~4 s of CPU and ~250 MB
+    to start); past TURN_THREADS a process per core, up to TURN_PROCESSES."""
+    assert turn_roles(1) == turn_roles(launcher.TURN_THREADS) == ("turns",)
+    many = turn_roles(launcher.TURN_THREADS * 8)
+    assert len(many) == launcher.TURN_PROCESSES and many[:2] == ("turns", "turns.2")[: len(many)]
+    plans = launcher.turn_plans(Keys("x"), 1024)
+    assert sum(p.concurrency * p.prefetch for p in plans) >= 1024  # every call in flight has a place
