@@ -65,12 +65,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fast", action="store_true",
         help="the inner loop (make test-fast): tests that start no worker and no model, and one "
-             "end-to-end test per capability (marked smoke), on the default stack only",
+             "end-to-end test per capability (SMOKE), on the default stack only",
     )  # fmt: skip
 
 
+# make test-fast: one end-to-end test per capability, on the default stack, beside every test
+# that needs no worker and no model (module.py::function, all its parameters).
+SMOKE = frozenset({
+    "test_loop.py::test_default_exit_with_one_tool_call",
+    "test_control.py::test_pause_parks_between_steps_and_resume_continues",
+    "test_durability.py::test_kill_during_model_call",
+    "test_faults.py::test_a_poison_tool_call_ends_the_run_within_its_attempt_cap",
+    "test_supervisor.py::test_tool_repeated_abort_names_the_rule",
+    "test_approval.py::test_denied_call_reaches_the_model_as_a_failed_record",
+    "test_sandbox.py::test_e2e_hostile_calls_are_contained_and_the_run_goes_on",
+    "test_api.py::test_submit_over_http_runs_for_the_tokens_tenant",
+    "test_cli.py::test_submit_wait_json_prints_one_document_and_exits_0",
+    "test_streaming.py::test_streamed_text_is_kept_only_in_the_event_stream",
+    "test_compaction.py::test_summary_call_made_and_pairs_intact",
+    "test_providers.py::test_fallbacks_are_tried_in_order",
+    "test_scrub.py::test_no_credential_from_a_tool_output_is_stored_or_shown",
+    "test_bounds.py::test_huge_tool_output_is_bounded_for_the_model_and_in_redis",
+    "test_text_calls.py::test_text_call_runs_the_tool",
+    "test_http_tools.py::test_calls_with_templates_bounds_and_failures",
+    "test_mcp.py::test_run_calls_stdio_and_http_servers",
+    "test_agents.py::test_steering_and_skills_reach_the_models_system_prompt",
+    "test_events.py::test_unknown_or_misfit_events_reach_readers_as_plain_events",
+    "test_security.py::test_sealed_key_opens_only_for_its_tenant",
+    "test_metrics.py::test_a_scrape_after_a_run_shows_the_counters_moved",
+})  # fmt: skip
+
+
+def short_name(item: pytest.Item) -> str:
+    return f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+
+
+def is_fast(item: pytest.Item) -> bool:
+    if short_name(item) in SMOKE:
+        return True
+    return not (SLOW_FIXTURES & set(item.fixturenames)) and short_name(item) not in NOT_FAST
+
+
 # What a test needs that makes it slow: workers, the scripted model, servers of its own.
-SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_redis", "amqp_url", "sbx"})
+SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_redis", "amqp_url", "sbx", "site"})
+NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})  # a suite of its own
 # Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse): the tests
 # that use one run in a single xdist process, so it is set up once per session.
 SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse"})
@@ -117,8 +155,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     and worker start once in the whole session (xdist hands out the largest groups first);
     so are the tests of a module that share a costly module fixture."""
     if config.getoption("fast"):
-        keep = [i for i in items if i.get_closest_marker("smoke") or not SLOW_FIXTURES & set(i.fixturenames)]
-        keep = [i for i in keep if stack_of(i) in (None, "redis")]
+        keep = [i for i in items if is_fast(i) and stack_of(i) in (None, "redis")]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
     items.sort(key=lambda item: STACKS.index(stack_of(item) or "redis"))
