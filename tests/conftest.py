@@ -107,8 +107,10 @@ def is_fast(item: pytest.Item) -> bool:
 
 
 # What a test needs that makes it slow: workers, the scripted model, servers of its own.
-SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_redis", "amqp_url", "sbx", "site"})
-NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})  # a suite of its own
+SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_redis", "amqp_url", "sbx",
+                           "site"})  # fmt: skip
+# A test that runs a suite of its own in a subprocess.
+NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})
 # Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse): the tests
 # that use one run in a single xdist process, so it is set up once per session.
 SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse"})
