@@ -299,3 +299,40 @@ def test_a_rebinding_name_reaches_only_the_address_that_was_checked(site, monkey
         else:
             assert not outcome.ok and outcome.error.startswith(expected), where
             assert dialed == [] or declared is hop, where
+
+
+def test_templates_take_bare_placeholders_only(client, spec, site, tmp_path):
+    """A format spec (`{q:>400000000}` renders 400 MB), a conversion, an attribute or an
+    index in a template is refused at submit, naming the field, and again by the worker
+    for a declaration that did not pass through submit (Redis written by hand)."""
+    from worker.sources import http_tools
+
+    wide = "{q:>400000000}"
+    cases = [
+        (_tool(site, url=f"http://{site}/items/{wide}"), "url"),
+        (_tool(site, headers={"X-Trace": "{q!r}"}), "headers.X-Trace"),
+        (_tool(site, method="POST", body={"a": ["{q:>9}"]}), "body.a.0"),
+        (_tool(site, url=f"http://{site}/items/{{q.__class__}}"), "url"),
+        (_tool(site, url=f"http://{site}/items/{{q[0]}}"), "url"),
+        (_tool(site, url=f"http://{site}/items/{{}}"), "url"),
+    ]
+    for declared, field in cases:
+        with pytest.raises(SpecError, match=f"{field}: .*only bare {{name}} placeholders"):
+            client.submit(spec([{"content": "x"}], http_tools=[declared]))
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec([{"content": "x"}], http_tools=[cases[0][0]])))
+    import subprocess
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 2 and "url: " in cli.stderr and wide in cli.stderr, cli.stderr
+    # the worker: the declaration as a forged payload would carry it, never rendered
+    started = time.monotonic()
+    for declared, field in cases:
+        outcome = http_tools.call(declared, {"id": 1, "q": "x"}, 10, Settings(), lambda: True)
+        assert not outcome.ok and "only bare {name} placeholders" in outcome.error, (field, outcome)
+        assert outcome.error.startswith("Refused: ") and field in outcome.error
+    assert time.monotonic() - started < 5
+    with pytest.raises(Refused, match="only bare"):
+        http_tools._render(wide, {"q": "x"})  # the renderer itself takes no format spec

@@ -27,8 +27,16 @@ from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
+from pydantic import ValidationError
 
-from orchestrator.http_tools import ENV_REF, HttpTool, credential_problems, declared, host_allowed
+from orchestrator.http_tools import (
+    ENV_REF,
+    HttpTool,
+    credential_problems,
+    declared,
+    host_allowed,
+    template_parts,
+)
 from orchestrator.settings import Settings
 from worker.sandbox import CallOutcome
 from worker.sources.pinned import PinnedBackend, PinnedTransport, Refused, target
@@ -54,7 +62,10 @@ def http_payload(spec: Any, name: str) -> dict[str, Any]:
 def call(data: dict[str, Any], arguments: Any, timeout_s: float, settings: Settings,
          on_tick: Callable[[], bool]) -> CallOutcome:  # fmt: skip
     started = time.perf_counter()
-    tool = HttpTool.model_validate(data)
+    try:  # checked at submit; again here, as the worker reads it from Redis
+        tool = HttpTool.model_validate(data)
+    except ValidationError as exc:
+        return CallOutcome(False, error=f"Refused: the declaration is invalid: {_first_error(exc)}")
     problem = _arguments_problem(tool, arguments)
     if problem:
         return CallOutcome(False, error=f"ValidationError: {problem}")
@@ -63,6 +74,12 @@ def call(data: dict[str, Any], arguments: Any, timeout_s: float, settings: Setti
                          timeout, on_tick)  # fmt: skip
     outcome.duration_ms = round((time.perf_counter() - started) * 1000, 3)
     return outcome
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    at = ".".join(str(p) for p in err["loc"])
+    return (f"{at}: " if at else "") + str(err["msg"]).removeprefix("Value error, ")
 
 
 def _arguments_problem(tool: HttpTool, arguments: Any) -> str | None:
@@ -175,18 +192,33 @@ def _env_headers(tool: HttpTool) -> dict[str, str]:
 
 
 def _render_url(template: str, args: dict[str, Any]) -> str:
-    return template.format_map(_Values(args, lambda v: quote(_text(v), safe="")))
+    return _substitute(template, args, lambda v: quote(_text(v), safe=""))
 
 
 def _render(template: str, args: dict[str, Any]) -> str:
-    return template.format_map(_Values(args, _text))
+    return _substitute(template, args, _text)
+
+
+def _substitute(template: str, args: dict[str, Any], fmt: Callable[[Any], str]) -> str:
+    """Bare ``{name}`` placeholders only, checked again here (a declaration written into
+    Redis by hand never passed submit): ``str.format`` would also obey ``{q:>400000000}``.
+    An optional argument left out is empty."""
+    return "".join(text + (fmt(args[name]) if name is not None and name in args else "")
+                   for text, name in _parts(template))  # fmt: skip
+
+
+def _parts(template: str) -> list[tuple[str, str | None]]:
+    try:
+        return template_parts(template)
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
 
 
 def _render_body(body: Any, args: dict[str, Any]) -> Any:
     """A JSON template: a string that is exactly ``{arg}`` becomes the argument's value
     (its JSON type kept); other strings get ``{arg}`` replaced by its text."""
     if isinstance(body, str):
-        names = _fields(body)
+        names = [name for _, name in _parts(body) if name]
         if len(names) == 1 and body == "{" + names[0] + "}":
             return args.get(names[0])
         return _render(body, args)
@@ -197,26 +229,12 @@ def _render_body(body: Any, args: dict[str, Any]) -> Any:
     return body
 
 
-def _fields(template: str) -> list[str]:
-    import string
-
-    return [f for _, f, _, _ in string.Formatter().parse(template) if f]
-
-
 def _body_kwargs(body: Any) -> dict[str, Any]:
     if body is None:
         return {}
     if isinstance(body, str):
         return {"content": body.encode()}
     return {"json": body}
-
-
-class _Values(dict[str, Any]):
-    def __init__(self, args: dict[str, Any], fmt: Callable[[Any], str]) -> None:
-        super().__init__({k: fmt(v) for k, v in args.items()})
-
-    def __missing__(self, key: str) -> str:
-        return ""  # an optional argument left out
 
 
 def _text(value: Any) -> str:
