@@ -85,6 +85,8 @@ async def bounded_stdio(params: StdioServerParameters, output: Output,
                 await _stop(process, patient)
                 with anyio.move_on_after(1.0):  # the cause of an exit, when it wrote one
                     await output.stderr_done.wait()
+                with anyio.move_on_after(1.0):  # its pipes: else their transports outlive the loop
+                    await process.aclose()
                 for stream in (incoming, outgoing, incoming_w, outgoing_r):
                     await stream.aclose()
             tasks.cancel_scope.cancel()
