@@ -320,17 +320,13 @@ def test_config_files_json_or_yaml(tmp_path):
 
 
 def _processes_under(prefix: str) -> list[int]:
-    """Processes whose working folder is ``prefix`` or under it (also once it is removed)."""
+    """Processes whose working folder's path starts with ``prefix`` (also once it is removed)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                cwd = os.readlink(f"/proc/{entry}/cwd")
-            except OSError:
-                continue
-            if cwd == prefix or cwd.startswith(prefix.rstrip("/") + ("/" if cwd != prefix else "")) or (
-                    cwd.removesuffix(" (deleted)").startswith(prefix)):  # fmt: skip
-                found.append(int(entry))
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)").startswith(prefix):
+                    found.append(int(entry))
     return found
 
 
