@@ -34,3 +34,11 @@ def tools_rows(entries: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         rows.append((entry["name"], entry["source"], "yes" if entry.get("approval") else "-",
                      ",".join(entry["workers"]), first_line[0][:60] if first_line else ""))  # fmt: skip
     return rows
+
+
+def unavailable_servers(store: RunStore) -> list[dict[str, str]]:
+    """MCP servers a live worker could not list (none of their tools is in its catalog),
+    with why: one entry per server and worker."""
+    return [{"server": server, "worker": worker, "error": why}
+            for worker, info in sorted(store.live_workers().items())
+            for server, why in sorted(info.get("mcp_unavailable", {}).items())]  # fmt: skip

@@ -190,11 +190,15 @@ def validate(spec: Annotated[Path, typer.Argument(help="run spec, YAML or JSON")
 @app.command("tools")
 def tools_command(as_json: JsonOpt = False) -> None:
     """The live tool catalog: each tool's source (python, builtin, mcp, http) and workers."""
-    from orchestrator.catalog import live_tools, tools_rows
+    from orchestrator.catalog import live_tools, tools_rows, unavailable_servers
     from orchestrator.store import RunStore
     from orchestrator.views import plain_table
 
-    entries = live_tools(RunStore.from_settings())
+    store = RunStore.from_settings()
+    entries = live_tools(store)
+    for down in unavailable_servers(store):  # stderr: stdout stays the catalog (or its JSON)
+        _err(f"warning: MCP server {down['server']!r} on {down['worker']} is unavailable, its tools are "
+             f"not listed: {down['error']}")  # fmt: skip
     if as_json:
         _print_json(entries)
         return
@@ -300,8 +304,10 @@ def worker(
     from orchestrator.settings import get_settings
     from worker import launcher
 
+    settings = get_settings()
     try:
-        plans = launcher.plan(Keys(get_settings().key_prefix), queues.split(","), concurrency)
+        plans = launcher.plan(Keys(settings.key_prefix), queues.split(","), concurrency)
+        launcher.check_sources(settings.mcp_servers, plans)
     except ValueError as exc:
         _fail(str(exc), 2)
     raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools, metrics_port))

@@ -34,6 +34,7 @@ def diagnose() -> dict[str, Any]:
             "tools": len(w.get("tools", [])),
             "sandbox": w.get("sandbox", {}),
             "sandbox_off": w.get("sandbox_off", {}),  # layer -> why it is off
+            "mcp_unavailable": w.get("mcp_unavailable", {}),  # MCP server -> why its tools are missing
             "seen_s_ago": round(now - w.get("seen", now), 1),
         }
         for name, w in store.live_workers().items()
@@ -66,6 +67,7 @@ def _queue_depths(settings: Any, queues: list[str]) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     redis = report["redis"]
@@ -86,3 +88,6 @@ def render(report: dict[str, Any]) -> None:
                       f"sandbox={layers} seen {w['seen_s_ago']}s ago")  # fmt: skip
         for layer, why in w.get("sandbox_off", {}).items():
             console.print(f"  [yellow]{layer} off[/yellow]: {why}", markup=True, highlight=False)
+        for server, why in w.get("mcp_unavailable", {}).items():
+            console.print(f"  [yellow]MCP server {escape(server)!r} unavailable[/yellow]: {escape(why)}",
+                          markup=True, highlight=False, soft_wrap=True)  # fmt: skip

@@ -9,7 +9,7 @@ http_tools:
       properties: {number: {type: integer}}
       required: [number]
     method: GET
-    url: https://tracker.example.com/api/issues/{number}   # {arg}: URL-encoded argument
+    url: https://tracker.example.com/api/issues/{number}   # {arg}: URL-encoded argument (bare: no {arg:spec})
     headers: {Accept: application/json}                     # literal values
     env_headers: {Authorization: "Bearer ${TRACKER_TOKEN}"} # from the worker's environment
     body: null            # JSON body template: "{arg}" alone keeps the argument's JSON type
@@ -40,6 +40,7 @@ from orchestrator.credentials import api_bases, base_allowed, key_env_allowed, k
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+PLACEHOLDER = re.compile(r"[^.\[\]{}!:]+")  # a property's name as str.format reads it: no '.', '[', '!', ':'
 HOST = re.compile(r"[A-Za-z0-9.-]+(:\d{1,5})?|\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
 MAX_RESPONSE_BYTES = 10 << 20  # the most a spec may ask for
 
@@ -101,9 +102,9 @@ class HttpTool(BaseModel):
     @model_validator(mode="after")
     def _placeholders(self) -> HttpTool:
         properties = set((self.parameters or {}).get("properties") or {})
-        used = set(placeholders(self.url))
-        for value in self.headers.values():
-            used |= set(placeholders(value))
+        used = set(placeholders(self.url, "url"))
+        for header, value in self.headers.items():
+            used |= set(placeholders(value, f"headers.{header}"))
         used |= set(body_placeholders(self.body))
         unknown = sorted(used - properties)
         if unknown:
@@ -148,17 +149,40 @@ def split_host(entry: str) -> tuple[str, int | None]:
     return entry, None
 
 
-def placeholders(template: str) -> list[str]:
-    return [field for _, field, _, _ in string.Formatter().parse(template) if field]
+def template_parts(template: str, where: str = "template") -> list[tuple[str, str | None]]:
+    """``template`` as (literal text, placeholder name or None) pairs; ``{{`` and ``}}`` are
+    literal braces. Only bare ``{name}`` placeholders: a format spec (``{q:>400000000}``
+    renders 400 MB), a conversion (``{q!r}``), an attribute or an index (``{q.x}``,
+    ``{q[0]}``) or a positional ``{}`` raises ``ValueError`` naming ``where``."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:  # an unmatched brace
+        raise ValueError(f"{where}: {exc} (only bare {{name}} placeholders; {{{{ }}}} are braces)") from None
+    parts: list[tuple[str, str | None]] = []
+    for literal, field, spec, conversion in parsed:
+        if field is not None and (spec or conversion or not PLACEHOLDER.fullmatch(field)):
+            shown = _clip("{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" * bool(spec)))
+            raise ValueError(f"{where}: {shown}}}: only bare {{name}} placeholders (no format spec, "
+                             "conversion, attribute or index)")  # fmt: skip
+        parts.append((literal, field))
+    return parts
 
 
-def body_placeholders(body: Any) -> list[str]:
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def placeholders(template: str, where: str = "template") -> list[str]:
+    return [field for _, field in template_parts(template, where) if field]
+
+
+def body_placeholders(body: Any, where: str = "body") -> list[str]:
     if isinstance(body, str):
-        return placeholders(body)
+        return placeholders(body, where)
     if isinstance(body, dict):
-        return [p for v in body.values() for p in body_placeholders(v)]
+        return [p for k, v in body.items() for p in body_placeholders(v, f"{where}.{k}")]
     if isinstance(body, list):
-        return [p for v in body for p in body_placeholders(v)]
+        return [p for i, v in enumerate(body) for p in body_placeholders(v, f"{where}.{i}")]
     return []
 
 

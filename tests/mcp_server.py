@@ -4,6 +4,7 @@ streamable HTTP on loopback with ``--http PORT``."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -59,6 +60,19 @@ def write_note(text: str) -> str:
     with open("note.txt", "w") as f:
         f.write(text)
     return os.path.abspath("note.txt")
+
+
+@server.tool()
+def big(mib: float) -> str:
+    """`mib` MiB of text, as one result."""
+    return "x" * int(mib * (1 << 20))
+
+
+@server.tool()
+def git(args: list[str]) -> dict:
+    """Run git in the server's working folder (as mcp-server-git does, through git itself)."""
+    done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, check=False)
+    return {"code": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 
 
 @server.tool()

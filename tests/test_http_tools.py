@@ -4,7 +4,9 @@ worker's variables sent where the operator did not allow)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -231,3 +233,106 @@ def test_check_target_rules():
                 "http://[::1]:8081/x", "ftp://api.example.test/", "https://u:p@api.example.test/"):
         with pytest.raises(Refused):
             check_target(tool, url, settings)
+
+
+class _Resolver:
+    """``socket.getaddrinfo`` for one name, the attacker's: each lookup takes the next
+    answer of ``answers`` (the last repeats; ``None`` is a failed lookup), as a name with
+    TTL 0 can; every other name resolves as usual."""
+
+    def __init__(self, name: str, answers: list[list[str] | None]) -> None:
+        self.name, self.answers, self.lookups = name, answers, 0
+
+    def __call__(self, host, port, *args, **kwargs):
+        if host != self.name:
+            return _REAL_GETADDRINFO(host, port, *args, **kwargs)
+        answer = self.answers[min(self.lookups, len(self.answers) - 1)]
+        self.lookups += 1
+        if answer is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        family = {4: socket.AF_INET, 6: socket.AF_INET6}
+        return [(family[ipaddress.ip_address(a).version], socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                 (a, int(port))) for a in answer]  # fmt: skip
+
+
+_REAL_GETADDRINFO = socket.getaddrinfo
+
+
+def test_a_rebinding_name_reaches_only_the_address_that_was_checked(site, monkeypatch):
+    """The tool process resolves through a resolver we control. A name answering a
+    loopback address to the first lookup and 0.0.0.0 (refused like 169.254.169.254, and
+    reachable here: Linux connects it to loopback) to later ones; a name whose first lookup
+    fails; a name answering a metadata address beside a good one; and a redirect to the
+    rebinding name. Every socket the call opens is recorded: only checked addresses."""
+    from worker.sources import http_tools
+
+    port = int(site.split(":")[1])
+    dialed: list[tuple] = []
+    real_connect = socket.socket.connect
+
+    def connect(sock, address):
+        if isinstance(address, tuple) and address[1] == port:
+            dialed.append(address[:2])
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    name = "rebind.test"
+    hosts = [f"{name}:{port}", site]
+    tool = _tool(site, url=f"http://{name}:{port}/items/{{id}}", allow_hosts=hosts)
+    hop = _tool(site, name="hop", url=f"http://{site}/redirect?to={{q}}", allow_hosts=hosts)
+    cases = [  # (declaration, arguments, answers, expected outcome)
+        (tool, {"id": 1}, [["127.0.0.1"], ["0.0.0.0"]], "ok"),
+        (tool, {"id": 2}, [None, ["0.0.0.0"]], "HttpError: ConnectError: rebind.test: cannot resolve"),
+        (tool, {"id": 3}, [["127.0.0.1", "169.254.169.254"]], "Refused: rebind.test resolves to"),
+        (hop, {"id": 4, "q": f"http://{name}:{port}/items/4"}, [["127.0.0.1"], ["0.0.0.0"]], "ok"),
+    ]
+    for declared, arguments, answers, expected in cases:
+        dialed.clear()
+        resolver = _Resolver(name, answers)
+        monkeypatch.setattr(socket, "getaddrinfo", resolver)
+        outcome = http_tools.call(declared, arguments, 10, Settings(), lambda: True)
+        where = (arguments, outcome.error, dialed)
+        assert all(address[0] == "127.0.0.1" for address in dialed), where  # never 0.0.0.0
+        if expected == "ok":
+            assert outcome.ok and outcome.output["body"]["path"] == f"/items/{arguments['id']}", where
+            assert resolver.lookups == 1, where  # resolved once, for the one connection to it
+        else:
+            assert not outcome.ok and outcome.error.startswith(expected), where
+            assert dialed == [] or declared is hop, where
+
+
+def test_templates_take_bare_placeholders_only(client, spec, site, tmp_path):
+    """A format spec (`{q:>400000000}` renders 400 MB), a conversion, an attribute or an
+    index in a template is refused at submit, naming the field, and again by the worker
+    for a declaration that did not pass through submit (Redis written by hand)."""
+    from worker.sources import http_tools
+
+    wide = "{q:>400000000}"
+    cases = [
+        (_tool(site, url=f"http://{site}/items/{wide}"), "url"),
+        (_tool(site, headers={"X-Trace": "{q!r}"}), "headers.X-Trace"),
+        (_tool(site, method="POST", body={"a": ["{q:>9}"]}), "body.a.0"),
+        (_tool(site, url=f"http://{site}/items/{{q.__class__}}"), "url"),
+        (_tool(site, url=f"http://{site}/items/{{q[0]}}"), "url"),
+        (_tool(site, url=f"http://{site}/items/{{}}"), "url"),
+    ]
+    for declared, field in cases:
+        with pytest.raises(SpecError, match=f"{field}: .*only bare {{name}} placeholders"):
+            client.submit(spec([{"content": "x"}], http_tools=[declared]))
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec([{"content": "x"}], http_tools=[cases[0][0]])))
+    import subprocess
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 2 and "url: " in cli.stderr and wide in cli.stderr, cli.stderr
+    # the worker: the declaration as a forged payload would carry it, never rendered
+    started = time.monotonic()
+    for declared, field in cases:
+        outcome = http_tools.call(declared, {"id": 1, "q": "x"}, 10, Settings(), lambda: True)
+        assert not outcome.ok and "only bare {name} placeholders" in outcome.error, (field, outcome)
+        assert outcome.error.startswith("Refused: ") and field in outcome.error
+    assert time.monotonic() - started < 5
+    with pytest.raises(Refused, match="only bare"):
+        http_tools._render(wide, {"q": "x"})  # the renderer itself takes no format spec

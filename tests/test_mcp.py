@@ -5,6 +5,7 @@ loopback; real workers, the scripted model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -42,15 +43,18 @@ def http_server():
     proc.wait(10)
 
 
-@pytest.fixture
-def mcp_deployment(deployment, http_server, tmp_path):
+def _servers_file(folder: Path, http_server: str, **more: dict) -> str:
     config = {"mcpServers": {
         "calc": {"command": "python", "args": [SERVER], "env": {"MCP_MARKER": "hello"}},
         "web": {"url": http_server, "headers": {"X-Token": "MCP_TEST_TOKEN"}},
+        **more,
     }}  # fmt: skip
-    path = tmp_path / "servers.yaml"  # YAML here; JSON in test_config_files_json_or_yaml
+    path = folder / "servers.yaml"  # YAML here; JSON in test_config_files_json_or_yaml
     path.write_text(yaml.safe_dump(config))
-    d = deployment(TOOLOOP_MCP_SERVERS=str(path))
+    return str(path)
+
+
+def _started(d):
     os.environ["MCP_TEST_TOKEN"] = TOKEN  # the worker reads it at call time, from its environment
     try:
         worker = d.start_worker("-c", "2")
@@ -63,6 +67,30 @@ def mcp_deployment(deployment, http_server, tmp_path):
     why = [line for line in worker.tail(1 << 20).splitlines() if "MCP" in line or "cannot start" in line]
     assert not missing, f"{missing} not in the catalog; in the worker's log {worker.log}:\n" + "\n".join(why)
     return d
+
+
+@pytest.fixture
+def mcp_deployment(deployment, http_server, tmp_path):
+    """An MCP deployment of the test's own, for tests that stop or kill its worker."""
+    return _started(deployment(TOOLOOP_MCP_SERVERS=_servers_file(tmp_path, http_server)))
+
+
+MISSING = "/nonexistent/mcp-server-missing"
+
+
+@pytest.fixture(scope="module")
+def mcp_shared(stack, http_server, tmp_path_factory):
+    """One MCP deployment for the tests that neither stop nor kill its worker (each costs
+    12-16 s to start): the servers of ``mcp_deployment``, and one whose command is missing."""
+    from tests.conftest import Deployment
+
+    path = _servers_file(tmp_path_factory.mktemp("mcp"), http_server, broken={"command": MISSING})
+    prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-{os.urandom(3).hex()}"
+    d = Deployment(prefix, {**stack.env, "TOOLOOP_MCP_SERVERS": path})
+    try:
+        yield _started(d)
+    finally:
+        d.stop()
 
 
 def _run_folder(run_id: str) -> str:
@@ -82,36 +110,36 @@ def _processes_in(folder: str) -> list[int]:
     return found
 
 
-def test_catalog_names_sources_and_schemas(mcp_deployment):
-    catalog = mcp_deployment.store.catalog()
+def test_catalog_names_sources_and_schemas(mcp_shared):
+    catalog = mcp_shared.store.catalog()
     add = catalog["calc__add"]
     assert add["source"] == "mcp" and add["description"] == "Add two integers."
     assert add["parameters"]["properties"]["a"]["type"] == "integer"
     assert add["parameters"]["required"] == ["a", "b"]
     assert catalog["web__token_header"]["source"] == "mcp"
     assert catalog["read_file"]["source"] == "builtin" and catalog["add"]["source"] == "python"
-    published = mcp_deployment.store.redis.hgetall(mcp_deployment.store.keys.workers())
+    published = mcp_shared.store.redis.hgetall(mcp_shared.store.keys.workers())
     assert published and not any(TOKEN.encode() in value for value in published.values())  # never stored
     # `tooloop tools`, from another process
-    env = {**os.environ, **mcp_deployment.env}
+    env = {**os.environ, **mcp_shared.env}
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tools", "--json"], env=env,
                          capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
     listed = {t["name"]: t for t in json.loads(out.stdout)}
     assert listed["calc__whoami"]["source"] == "mcp" and listed["shell"]["source"] == "builtin"
-    assert listed["calc__whoami"]["workers"] == [f"tools@{mcp_deployment.workers[0].name}"]
+    assert listed["calc__whoami"]["workers"] == [f"tools@{mcp_shared.workers[0].name}"]
     plain = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tools"], env=env,
                            capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
     assert any(line.split()[:2] == ["web__add", "mcp"] for line in plain.stdout.splitlines())
 
 
-def test_run_calls_stdio_and_http_servers(mcp_deployment, spec, model_server):
+def test_run_calls_stdio_and_http_servers(mcp_shared, spec, model_server):
     steps = [
         tools(call("calc__add", {"a": 2, "b": 3}), call("web__add", {"a": 4, "b": 3}),
               call("calc__whoami"), call("web__token_header")),
         {"content": "done"},
     ]  # fmt: skip
     s = spec(steps, tools=["calc__add", "web__add", "calc__whoami", "web__token_header"])
-    handle = mcp_deployment.client.submit(s)
+    handle = mcp_shared.client.submit(s)
     result = handle.wait(timeout=90)
     assert result.status == Status.completed, result
     add, web_add, who, token = result.tool_calls
@@ -130,7 +158,7 @@ def test_run_calls_stdio_and_http_servers(mcp_deployment, spec, model_server):
     assert set(names["calc__add"]) == {"name", "description", "parameters"}
 
 
-def test_errors_and_a_dead_server_are_failed_records(mcp_deployment, spec, model_server):
+def test_errors_and_a_dead_server_are_failed_records(mcp_shared, spec, model_server):
     steps = [
         tools(call("calc__fail", {"message": "nope"}), call("calc__add", {"a": "x"}),
               call("calc__protocol_error")),
@@ -139,7 +167,7 @@ def test_errors_and_a_dead_server_are_failed_records(mcp_deployment, spec, model
         {"content": "done"},
     ]
     s = spec(steps, tools=["calc__fail", "calc__add", "calc__die", "calc__protocol_error"])
-    result = mcp_deployment.client.submit(s).wait(timeout=90)
+    result = mcp_shared.client.submit(s).wait(timeout=90)
     assert result.status == Status.completed, result
     failed, invalid, protocol, died, again = result.tool_calls
     assert not failed.success and failed.error.startswith("McpToolError:")
@@ -153,11 +181,11 @@ def test_errors_and_a_dead_server_are_failed_records(mcp_deployment, spec, model
     assert errors == ["Error: McpToo", "Error: McpToo", "Error: McpErr"]
 
 
-def test_one_server_process_per_run_closed_when_the_run_ends(mcp_deployment, spec):
+def test_one_server_process_per_run_closed_when_the_run_ends(mcp_shared, spec):
     steps = [tools(call("calc__whoami")), tools(call("calc__whoami"), call("calc__whoami")),
              {"content": "done"}]  # fmt: skip
-    first = mcp_deployment.client.submit(spec(steps, tools=["calc__whoami"]))
-    second = mcp_deployment.client.submit(spec(steps, tools=["calc__whoami"]))
+    first = mcp_shared.client.submit(spec(steps, tools=["calc__whoami"]))
+    second = mcp_shared.client.submit(spec(steps, tools=["calc__whoami"]))
     results = [first.wait(timeout=90), second.wait(timeout=90)]
     instances = [{c.output["instance"] for c in r.tool_calls} for r in results]
     assert [len(i) for i in instances] == [1, 1]  # three calls, one server process, per run
@@ -289,3 +317,161 @@ def test_config_files_json_or_yaml(tmp_path):
     with pytest.raises(McpConfigError, match="not valid YAML"):
         load_servers(str(tmp_path / "broken.yaml"))
     assert tool_name("calc", "add") == "calc__add" and tool_name("calc", "read.file") is None
+
+
+def _processes_under(prefix: str) -> list[int]:
+    """Processes whose working folder's path starts with ``prefix`` (also once it is removed)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)").startswith(prefix):
+                    found.append(int(entry))
+    return found
+
+
+async def _until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+def test_a_server_that_never_finishes_its_handshake_leaves_no_task_or_process(monkeypatch):
+    """A stdio "server" that never answers the handshake (``sleep``), in the host, in the
+    sandbox: a call to it and the catalog listing both end at their bound, and afterwards
+    the host's event loop runs no task but the caller and no process of the server is
+    left (counted by working folder: the run's, and the catalog's)."""
+    import uuid
+
+    from worker.sources import mcp_host
+    from worker.sources.mcp_config import McpServer
+
+    monkeypatch.setattr(mcp_host, "LIST_TIMEOUT_S", 2.5)  # room for the sandbox to start it, under load
+    host = mcp_host.Host([McpServer("stall", command="sleep", args=("600",))])
+    root = os.environ["TOOLOOP_SANDBOX_ROOT"]
+    run_id = f"stall-{uuid.uuid4().hex[:8]}"
+    folder = os.path.realpath(os.path.join(root, run_id))
+    request = {"server": "stall", "tool": "anything", "arguments": {}, "run_id": run_id,
+               "workdir": folder, "sandbox_root": root, "timeout_s": 2.5}  # fmt: skip
+    counts: dict[str, object] = {}
+
+    async def scenario() -> None:
+        this = asyncio.current_task()
+        call = asyncio.create_task(host.call(request))
+        counts["started"] = await _until(lambda: _processes_in(folder), 30)  # it really ran
+        counts["reply"] = await call
+        counts["tasks"] = [t for t in asyncio.all_tasks() if t is not this]
+        counts["processes"] = await _until(lambda: not _processes_in(folder), 10) or _processes_in(folder)
+        catalog_started = time.monotonic()
+        counts["catalog"] = await host.catalog(root)
+        counts["catalog_s"] = time.monotonic() - catalog_started
+        counts["catalog_tasks"] = [t for t in asyncio.all_tasks() if t is not this]
+        listed = os.path.join(os.path.realpath(root), mcp_host.CATALOG_FOLDER)
+        counts["catalog_processes"] = await _until(lambda: not _processes_under(listed), 10) or (
+            _processes_under(listed))  # fmt: skip
+        counts["sessions"] = dict(host.sessions)
+
+    try:
+        asyncio.run(scenario())
+    finally:  # what the old code left behind, while the loop lived, is gone now anyway
+        for pid in _processes_in(folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+    assert counts["started"] is True
+    reply = counts["reply"]
+    assert not reply["ok"] and reply["error"].startswith("Timeout:"), reply
+    assert counts["tasks"] == [] and counts["processes"] is True, counts
+    [error] = counts["catalog"]["errors"]
+    assert error.startswith("MCP server 'stall': cannot list its tools: ") and "handshake" in error
+    assert counts["catalog_tasks"] == [] and counts["catalog_processes"] is True, counts
+    assert counts["sessions"] == {} and counts["catalog_s"] < 15
+
+
+def test_a_malformed_servers_file_refuses_to_start_the_worker(tmp_path):
+    """`mcpServer:` for `mcpServers:`: the tool worker exits 2 with one line naming the file
+    and the key, before it says ready (it used to start, serve nothing and say ready),
+    whether started as `tooloop worker` or as `celery -A worker.app worker`."""
+    path = tmp_path / "servers.yaml"
+    path.write_text(yaml.safe_dump({"mcpServer": {"calc": {"command": "python", "args": [SERVER]}}}))
+    prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-{os.urandom(3).hex()}"
+    env = {**os.environ, "TOOLOOP_MCP_SERVERS": str(path), "TOOLOOP_KEY_PREFIX": prefix}
+    commands = {
+        "tooloop": [sys.executable, "-m", "orchestrator.cli", "worker", "-Q", "tools", "-c", "1",
+                    "-n", prefix],
+        "celery": [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-Q", f"{prefix}.tools",
+                   "-P", "prefork", "-c", "1", "-n", f"tools@{prefix}", "--without-mingle"],
+    }  # fmt: skip
+    for how, command in commands.items():
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            _, stderr = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # still running: the zombie this test is about
+            os.killpg(proc.pid, 9)
+            _, stderr = proc.communicate()
+            raise AssertionError(f"{how}: the worker did not refuse to start:\n{stderr[-3000:]}") from None
+        lines = [line for line in stderr.splitlines() if str(path) in line]
+        assert proc.returncode == 2, (how, proc.returncode, stderr[-3000:])
+        assert lines and "mcpServers" in lines[0] and "mcpServer`" in lines[0], (how, stderr[-3000:])
+        assert "ready" not in stderr, how
+
+
+def test_a_reply_over_the_cap_is_a_failed_record(mcp_shared, spec):
+    """A result past a forked call's cap (16 MiB) is `OutputTooLarge`, as a forked call's
+    is; the host and the pool read what comes in linear time, and the server's next call
+    works (the session that carried it was closed, the next one starts the server again)."""
+    steps = [tools(call("calc__big", {"mib": 17})),
+             tools(call("calc__big", {"mib": 1}), call("calc__add", {"a": 1, "b": 2})),
+             {"content": "done"}]  # fmt: skip
+    started = time.monotonic()
+    result = mcp_shared.client.submit(spec(steps, tools=["calc__big", "calc__add"])).wait(timeout=120)
+    over, under, after = result.tool_calls
+    assert not over.success and over.error == "OutputTooLarge: the tool's output exceeds 16 MiB", over.error
+    assert under.success and under.output.startswith("x" * 1000)  # the record keeps its first chars
+    assert (after.success, after.output) == (True, 3)
+    print(f"17 MiB refused, 1 MiB read, in {time.monotonic() - started:.1f}s")
+
+
+def test_stdio_servers_get_the_shells_git_settings(mcp_shared, spec):
+    """A repository made by a call (its own uid) is read by git in an MCP server (another
+    uid): no "dubious ownership" (`safe.directory`), and the shell's other git settings."""
+    made = ("git init -q . && git -c safe.directory='*' -c user.name=t -c user.email=t@t.test"
+            " commit -q --allow-empty -m first && id -u")  # each call its own uid: git wants it declared
+    steps = [tools(call("shell", {"command": made})),
+             tools(call("calc__git", {"args": ["log", "--format=%s"]}),
+                   call("calc__git", {"args": ["config", "--get", "core.hooksPath"]}), call("calc__whoami")),
+             {"content": "done"}]  # fmt: skip
+    handle = mcp_shared.client.submit(spec(steps, tools=["shell", "calc__git", "calc__whoami"]))
+    shell, log, hooks, who = handle.wait(timeout=90).tool_calls
+    assert shell.success and shell.output["exit_code"] == 0, shell
+    if os.geteuid() == 0:  # the repository's owner is not the server's uid: the case git refuses
+        assert int(shell.output["stdout"]) != who.output["uid"]
+    assert log.success and log.output == {"code": 0, "stdout": "first\n", "stderr": ""}, log
+    assert hooks.output["stdout"] == "/dev/null\n"  # hooks written into .git/hooks never run
+
+
+def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
+    """A server whose command is missing: the worker's log says why on the line that names
+    it, and `tooloop doctor` and `tooloop tools` show it with that cause."""
+    worker = mcp_shared.workers[0]
+    [line] = [line for line in worker.tail(1 << 20).splitlines() if "MCP server 'broken'" in line]
+    assert "cannot list its tools" in line and "No such file or directory" in line, line
+    env = {**os.environ, **mcp_shared.env}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    report = json.loads(cli("doctor", "--json").stdout)
+    [why] = report["workers"][f"tools@{worker.name}"]["mcp_unavailable"].values()
+    assert "No such file or directory" in why and MISSING in why, why
+    doctor, listed = cli("doctor"), cli("tools")
+
+    def shown(text: str) -> bool:
+        return any("broken" in line and "No such file" in line for line in text.splitlines())
+
+    assert shown(doctor.stdout), doctor.stdout
+    assert listed.returncode == 0 and "calc__add" in listed.stdout and shown(listed.stderr), listed.stderr

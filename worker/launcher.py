@@ -51,6 +51,16 @@ class PoolPlan:
         ]  # fmt: skip
 
 
+def check_sources(mcp_servers: str, plans: list[PoolPlan]) -> None:
+    """Refuse to start (``ValueError``, one line) when a tools pool would: an
+    ``mcpServers`` file that cannot be used. Checked here so that no pool starts, dies
+    and is restarted for it."""
+    if mcp_servers and any(p.role == "tools" for p in plans):
+        from worker.sources.mcp_config import load_servers
+
+        load_servers(mcp_servers)  # McpConfigError is a ValueError
+
+
 def plan(keys: Keys, queues: list[str], concurrency: int | None) -> list[PoolPlan]:
     wanted = {q.strip().removeprefix(f"{keys.prefix}.") for q in queues if q.strip()}
     unknown = wanted - {"turns", "tools"}

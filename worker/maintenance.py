@@ -369,11 +369,15 @@ class Maintenance(threading.Thread):
             log.warning("maintenance step %s failed", fn.__name__, exc_info=True)
 
 
-def worker_info(queues: list[str], tools: list[dict[str, Any]]) -> dict[str, Any]:
+def worker_info(queues: list[str], tools: list[dict[str, Any]],
+                mcp_unavailable: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """What the registry shows of this worker; ``mcp_unavailable``: MCP servers whose tools
+    are not in its catalog, with why (``tooloop doctor``, ``tooloop tools``)."""
     from worker.sandbox import layer_reasons, layers  # probes bubblewrap once, before the pool forks
 
     return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid(),
-            "sandbox": layers(), "sandbox_off": layer_reasons()}  # fmt: skip
+            "sandbox": layers(), "sandbox_off": layer_reasons(),
+            "mcp_unavailable": mcp_unavailable or {}}  # fmt: skip
 
 
 # -- wiring into the Celery worker -----------------------------------------------
@@ -393,15 +397,16 @@ def _after_setup(sender: str, instance: Any, **_: Any) -> None:
         llm.preload()
     from worker.registry import catalog
 
+    unavailable: dict[str, str] = {}
     if keys.tool_queue in queues:
-        from worker.sources.mcp_tools import start_host
+        from worker.sources.mcp_tools import start_or_exit
 
-        start_host(get_store().settings.mcp_servers)  # MCP servers' tools join the registry
+        unavailable = start_or_exit(get_store().settings.mcp_servers)  # their tools join the registry
     tools = catalog() if keys.tool_queue in queues else []
     for tool in tools:  # each tool's own queue: a call goes only to workers that have its tool
         instance.app.amqp.queues.select_add(broker.tool_queue(keys, instance.app.conf.broker_url or "",
                                                               tool["name"]))  # fmt: skip
-    _maintenance.append(Maintenance(get_store(), sender, worker_info(queues, tools)))
+    _maintenance.append(Maintenance(get_store(), sender, worker_info(queues, tools, unavailable)))
 
 
 @signals.worker_ready.connect

@@ -84,6 +84,19 @@ _GIT_OVERRIDES = ["-c", "safe.directory=*", "-c", "core.fsmonitor=", "-c", "core
                   "-c", "gpg.program=false", "-c", "core.askPass=false"]  # fmt: skip
 
 
+def git_environment(run_folder: str) -> dict[str, str]:
+    """The git settings an allowlisted ``git`` gets, as environment variables, for programs
+    that run git themselves (MCP servers): each ``-c key=value`` as ``GIT_CONFIG_KEY_<n>`` /
+    ``GIT_CONFIG_VALUE_<n>`` (above every config file, the repository's own included), and
+    ``safe.directory=*`` among them: the repository belongs to another call's uid."""
+    pairs = [_GIT_OVERRIDES[i + 1].split("=", 1) for i in range(0, len(_GIT_OVERRIDES), 2)]
+    config = {"GIT_CONFIG_COUNT": str(len(pairs))}
+    for n, (key, value) in enumerate(pairs):
+        config |= {f"GIT_CONFIG_KEY_{n}": key, f"GIT_CONFIG_VALUE_{n}": value}
+    ceiling = {"GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.realpath(run_folder))}
+    return {**GIT_ENV, **ceiling, **config}
+
+
 def allowlisted_argv(command: str, run_folder: str) -> tuple[list[str], dict[str, str]] | None:
     """The argv (and extra environment) of a command under the run's allowlist; None
     when the run has none (``/bin/sh -c`` then runs it)."""

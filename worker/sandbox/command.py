@@ -99,7 +99,11 @@ def _keeper_main() -> None:
     config, argv = json.loads(sys.argv[1]), sys.argv[2:]
     if config.get("inner"):  # inside bubblewrap: limits, the drop, then the program
         _keeper_confine(config)
-        os.execvpe(argv[0], argv, os.environ)
+        try:
+            os.execvpe(argv[0], argv, os.environ)
+        except OSError as exc:  # one line that says why (ENOENT, EACCES), as the outer stage's
+            sys.stderr.write(f"tooloop sandbox: cannot start {argv[:1]}: {exc}\n")
+            os._exit(127)
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PDEATHSIG: the caller died -> stop

@@ -5,7 +5,9 @@ Before each request, and again before following each redirect, the target must b
 
 - a host of the tool's ``allow_hosts`` (the submitter's own allowlist);
 - not a link-local or cloud-metadata address (169.254.0.0/16, fe80::/10, ...) unless
-  the operator allows the URL (``TOOLOOP_ALLOWED_API_BASES``);
+  the operator allows the URL (``TOOLOOP_ALLOWED_API_BASES``): checked on every address
+  the host resolves to, when the connection is made, and the connection goes to one of
+  those addresses (``worker/sources/pinned.py``: the name is never resolved twice);
 - when the tool sends ``env_headers`` (the worker's own variables): under
   ``TOOLOOP_ALLOWED_API_BASES``, with every variable allowed by ``TOOLOOP_ALLOWED_KEY_ENVS``,
   as read by this worker's settings.
@@ -17,27 +19,33 @@ must stay single-threaded between calls).
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
-from orchestrator.http_tools import ENV_REF, HttpTool, credential_problems, declared, host_allowed
+import httpx
+from pydantic import ValidationError
+
+from orchestrator.http_tools import (
+    ENV_REF,
+    HttpTool,
+    credential_problems,
+    declared,
+    host_allowed,
+    template_parts,
+)
 from orchestrator.settings import Settings
 from worker.sandbox import CallOutcome
+from worker.sources.pinned import PinnedBackend, PinnedTransport, Refused, target
+
+__all__ = ["Refused", "call", "check_target", "http_payload"]
 
 TICK_S = 0.25
 MAX_REDIRECTS = 5
 MAX_HEADERS = 50  # response headers returned to the model
-METADATA = {ipaddress.ip_address(a) for a in ("100.100.100.200", "fd00:ec2::254", "169.254.169.254")}
-
-
-class Refused(Exception):
-    """The request may not be sent (host, address or credentials)."""
 
 
 def http_payload(spec: Any, name: str) -> dict[str, Any]:
@@ -54,7 +62,10 @@ def http_payload(spec: Any, name: str) -> dict[str, Any]:
 def call(data: dict[str, Any], arguments: Any, timeout_s: float, settings: Settings,
          on_tick: Callable[[], bool]) -> CallOutcome:  # fmt: skip
     started = time.perf_counter()
-    tool = HttpTool.model_validate(data)
+    try:  # checked at submit; again here, as the worker reads it from Redis
+        tool = HttpTool.model_validate(data)
+    except ValidationError as exc:
+        return CallOutcome(False, error=f"Refused: the declaration is invalid: {_first_error(exc)}")
     problem = _arguments_problem(tool, arguments)
     if problem:
         return CallOutcome(False, error=f"ValidationError: {problem}")
@@ -63,6 +74,12 @@ def call(data: dict[str, Any], arguments: Any, timeout_s: float, settings: Setti
                          timeout, on_tick)  # fmt: skip
     outcome.duration_ms = round((time.perf_counter() - started) * 1000, 3)
     return outcome
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    at = ".".join(str(p) for p in err["loc"])
+    return (f"{at}: " if at else "") + str(err["msg"]).removeprefix("Value error, ")
 
 
 def _arguments_problem(tool: HttpTool, arguments: Any) -> str | None:
@@ -120,15 +137,15 @@ def _still_wanted(on_tick: Callable[[], bool]) -> bool:
 # -- one request, redirects followed by hand ----------------------------------------------
 def _perform(tool: HttpTool, args: dict[str, Any], timeout: float, settings: Settings,
              cancel: threading.Event) -> CallOutcome:  # fmt: skip
-    import httpx
-
     method, url = tool.method, _render_url(tool.url, args)
     headers = {k: _render(v, args) for k, v in tool.headers.items()}
     body = _render_body(tool.body, args)
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False, trust_env=False) as client:
+    backend = PinnedBackend()
+    with httpx.Client(transport=PinnedTransport(backend), timeout=httpx.Timeout(timeout),
+                      follow_redirects=False, trust_env=False) as client:  # fmt: skip
         for _ in range(MAX_REDIRECTS + 1):
-            check_target(tool, url, settings)
+            backend.target = target(url, check_target(tool, url, settings))  # each hop checked
             sent = {**headers, **_env_headers(tool)}
             kwargs = _body_kwargs(body) if method not in ("GET", "HEAD") else {}
             with client.stream(method, url, headers=sent, **kwargs) as response:
@@ -142,8 +159,10 @@ def _perform(tool: HttpTool, args: dict[str, Any], timeout: float, settings: Set
     raise Refused(f"more than {MAX_REDIRECTS} redirects")
 
 
-def check_target(tool: HttpTool, url: str, settings: Settings) -> None:
-    """Raise ``Refused`` unless a request of ``tool`` may go to ``url`` (see the module doc)."""
+def check_target(tool: HttpTool, url: str, settings: Settings) -> bool:
+    """Raise ``Refused`` unless a request of ``tool`` may go to ``url`` (see the module doc);
+    True when the operator lets ``url`` reach link-local and metadata addresses (the
+    addresses themselves are checked where the connection is made: ``pinned.resolve``)."""
     split = urlsplit(url)
     if split.scheme not in ("http", "https") or not split.hostname or split.username or split.password:
         raise Refused(f"{url}: only plain http(s) URLs")
@@ -156,23 +175,7 @@ def check_target(tool: HttpTool, url: str, settings: Settings) -> None:
         raise Refused("; ".join(problems))
     from orchestrator.credentials import api_bases, base_allowed
 
-    if _link_local(host, port) and not base_allowed(url, api_bases(settings.allowed_api_bases)):
-        raise Refused(f"{host} is a link-local or metadata address; only TOOLOOP_ALLOWED_API_BASES "
-                      "may name one")  # fmt: skip
-
-
-def _link_local(host: str, port: int) -> bool:
-    try:
-        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False  # the request itself will fail to connect
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-            address = address.ipv4_mapped
-        if address.is_link_local or address in METADATA or address.is_unspecified:
-            return True
-    return False
+    return base_allowed(url, api_bases(settings.allowed_api_bases))
 
 
 def _env_headers(tool: HttpTool) -> dict[str, str]:
@@ -189,18 +192,33 @@ def _env_headers(tool: HttpTool) -> dict[str, str]:
 
 
 def _render_url(template: str, args: dict[str, Any]) -> str:
-    return template.format_map(_Values(args, lambda v: quote(_text(v), safe="")))
+    return _substitute(template, args, lambda v: quote(_text(v), safe=""))
 
 
 def _render(template: str, args: dict[str, Any]) -> str:
-    return template.format_map(_Values(args, _text))
+    return _substitute(template, args, _text)
+
+
+def _substitute(template: str, args: dict[str, Any], fmt: Callable[[Any], str]) -> str:
+    """Bare ``{name}`` placeholders only, checked again here (a declaration written into
+    Redis by hand never passed submit): ``str.format`` would also obey ``{q:>400000000}``.
+    An optional argument left out is empty."""
+    return "".join(text + (fmt(args[name]) if name is not None and name in args else "")
+                   for text, name in _parts(template))  # fmt: skip
+
+
+def _parts(template: str) -> list[tuple[str, str | None]]:
+    try:
+        return template_parts(template)
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
 
 
 def _render_body(body: Any, args: dict[str, Any]) -> Any:
     """A JSON template: a string that is exactly ``{arg}`` becomes the argument's value
     (its JSON type kept); other strings get ``{arg}`` replaced by its text."""
     if isinstance(body, str):
-        names = _fields(body)
+        names = [name for _, name in _parts(body) if name]
         if len(names) == 1 and body == "{" + names[0] + "}":
             return args.get(names[0])
         return _render(body, args)
@@ -211,26 +229,12 @@ def _render_body(body: Any, args: dict[str, Any]) -> Any:
     return body
 
 
-def _fields(template: str) -> list[str]:
-    import string
-
-    return [f for _, f, _, _ in string.Formatter().parse(template) if f]
-
-
 def _body_kwargs(body: Any) -> dict[str, Any]:
     if body is None:
         return {}
     if isinstance(body, str):
         return {"content": body.encode()}
     return {"json": body}
-
-
-class _Values(dict[str, Any]):
-    def __init__(self, args: dict[str, Any], fmt: Callable[[Any], str]) -> None:
-        super().__init__({k: fmt(v) for k, v in args.items()})
-
-    def __missing__(self, key: str) -> str:
-        return ""  # an optional argument left out
 
 
 def _text(value: Any) -> str:

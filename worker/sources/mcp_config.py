@@ -22,8 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.sandbox.constants import MAX_RESULT_BYTES
+
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SEPARATOR = "__"
+# The host's reply to a pool process: a call's output at most at a forked call's cap, and
+# its envelope. Bigger, the call fails as a forked one does.
+MAX_REPLY_BYTES = MAX_RESULT_BYTES + (64 << 10)
+TOO_LARGE = f"OutputTooLarge: the tool's output exceeds {MAX_RESULT_BYTES >> 20} MiB"
 
 
 class McpConfigError(ValueError):
@@ -51,32 +57,50 @@ def tool_name(server: str, tool: str) -> str | None:
 
 
 def load_servers(path: str) -> list[McpServer]:
+    """The servers of the file ``TOOLOOP_MCP_SERVERS`` names; ``McpConfigError`` (one line
+    naming the file and what is wrong) when it cannot be used."""
+    where = f"TOOLOOP_MCP_SERVERS={path}"
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise McpConfigError(f"TOOLOOP_MCP_SERVERS={path}: {exc}") from exc
-    return parse_servers(_parse(text, path), path)
+        raise McpConfigError(f"{where}: {exc}") from exc
+    return parse_servers(_parse(text, where), where)
 
 
-def _parse(text: str, path: str) -> Any:
-    if path.endswith(".json"):
+def _parse(text: str, where: str) -> Any:
+    if where.endswith(".json"):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise McpConfigError(f"{path}: not valid JSON: {exc}") from exc
+            raise McpConfigError(f"{where}: not valid JSON: {exc}") from exc
     import yaml
 
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise McpConfigError(f"{path}: not valid YAML or JSON: {exc}") from exc
+    except yaml.YAMLError as exc:  # one line: YAML's own message spans several
+        raise McpConfigError(f"{where}: not valid YAML or JSON: {' '.join(str(exc).split())}") from exc
 
 
 def parse_servers(data: Any, where: str = "mcpServers") -> list[McpServer]:
-    servers = data.get("mcpServers") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        what = "the file is empty" if data is None else f"not a {type(data).__name__}"
+        raise McpConfigError(f"{where}: expected a mapping with an `mcpServers` key ({what})")
+    if "mcpServers" not in data:  # other keys are other clients' settings (one file, several clients)
+        raise McpConfigError(f"{where}: no `mcpServers` key{_found(data)}")
+    servers = data["mcpServers"]
     if not isinstance(servers, dict):
-        raise McpConfigError(f"{where}: expected a mapping with an `mcpServers` mapping")
+        raise McpConfigError(f"{where}: `mcpServers` must be a mapping of server names")
     return [_server(name, entry, where) for name, entry in servers.items()]
+
+
+def _found(data: dict[Any, Any]) -> str:
+    import difflib
+
+    keys = [str(k) for k in data]
+    close = difflib.get_close_matches("mcpServers", keys, n=1, cutoff=0.6)
+    if close:
+        return f" (found `{close[0]}`: did you mean `mcpServers`?)"
+    return f" (found {', '.join(f'`{k}`' for k in keys)})" if keys else " (the mapping is empty)"
 
 
 def _server(name: str, entry: Any, where: str) -> McpServer:

@@ -11,13 +11,16 @@ process (``mcp_tools.start_host``) when ``TOOLOOP_MCP_SERVERS`` is set. It
 Why a process of its own: the pool processes fork sandboxed calls and sweep the
 sandbox uids' processes among their children, so a server cannot be their child;
 and one host per worker keeps at most one server process per server and run, whichever
-pool process a call lands on. The MCP SDK (anyio, httpx2) is imported here only.
+pool process a call lands on. The MCP SDK (anyio, httpx2) is imported here only (and in
+``mcp_stdio``, the bounded stdio transport this host uses).
 
 A stdio server runs in the sandbox (``worker.sandbox.sandboxed_command``), in the run's
 folder, started on the run's first call to it and closed when the run ends (checked
 every ``WATCH_S``), when a call is cut short (time limit, abort, lost caller: what it
 was doing is unknown), or when the worker stops. A server that dies mid-call fails
-that call; the next call starts it again.
+that call; the next call starts it again. A handshake is bounded (``HANDSHAKE_TIMEOUT_S``),
+a session that does not close is cancelled (``CLOSE_GRACE_S``), and a reply over a forked
+call's cap is a failed call (``OutputTooLarge``), as a forked call's would be.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from typing import Any
 
 import httpx2
 
-from worker.sources.mcp_config import McpServer, load_servers, tool_name
+from worker.sources.mcp_config import MAX_REPLY_BYTES, TOO_LARGE, McpServer, load_servers, tool_name
+from worker.sources.mcp_stdio import Output, bounded_stdio
 
 log = logging.getLogger("tooloop.mcp")
 
 LIST_TIMEOUT_S = 60.0  # a server that cannot list its tools in this long is left out
+HANDSHAKE_TIMEOUT_S = 60.0  # a server that has not finished its handshake by then fails the call
+CLOSE_GRACE_S = 10.0  # a session asked to stop, then cancelled, gets this long each time
 WATCH_S = 2.0  # how often sessions of ended runs are looked for
 CATALOG_FOLDER = "mcp-catalog-"  # + a random part: a folder under the sandbox root, for listing
 MAX_REQUEST_BYTES = 16 << 20
@@ -57,22 +63,32 @@ class Session:
     client: Any = None
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
+    closing: asyncio.Task[None] | None = None
+    output: Output = field(default_factory=Output)  # a stdio server's stderr, an over-size message
 
     async def open(self, request: dict[str, Any], timeout_s: float) -> None:
         self.task = asyncio.create_task(self._hold(request))
-        await asyncio.wait_for(self.opened.wait(), timeout_s)
+        bound = min(timeout_s, HANDSHAKE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(self.opened.wait(), bound)
+        except TimeoutError:
+            raise TimeoutError(f"no answer to the MCP handshake in {bound:g}s{self.stderr()}") from None
         if self.client is None:
-            raise RuntimeError(f"cannot start: {_describe(self.error)}")
+            raise RuntimeError(f"cannot start: {_describe(self.error)}{self.stderr()}")
+
+    def stderr(self) -> str:
+        tail = self.output.tail()
+        return f" (its stderr: {tail})" if tail else ""
 
     async def _hold(self, request: dict[str, Any]) -> None:
         from mcp import Client
 
         try:
-            async with Client(_transport(self.server, request)) as client:
+            async with Client(_transport(self.server, request, self.output)) as client:
                 self.client = client
                 self.opened.set()
                 await self.stop.wait()
-        except BaseException as exc:  # a server's failure is data: the call's error
+        except Exception as exc:  # a server's failure is data: the call's error (a cancel is not)
             self.error = exc
         finally:
             self.client = None
@@ -80,15 +96,34 @@ class Session:
             self.opened.set()
 
     async def close(self) -> None:
+        """Stop the session and wait until it has; a caller cancelled meanwhile does not
+        stop the closing (it runs in a task of its own, kept in ``_CLOSING``)."""
+        if self.task is None:
+            return
+        if self.closing is None:
+            self.closing = asyncio.create_task(self._close(self.task))
+            _CLOSING.add(self.closing)
+            self.closing.add_done_callback(_CLOSING.discard)
+        await asyncio.shield(self.closing)
+
+    async def _close(self, task: asyncio.Task[None]) -> None:
         self.stop.set()
-        if self.task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(self.task), 15)
+        opened = self.client is not None  # else it is stuck in its start: nothing to wait for
+        if opened:
+            await asyncio.wait({task}, timeout=CLOSE_GRACE_S)
+        if not task.done():
+            task.cancel()  # the transport's own shutdown still runs (bounded), then the task ends
+            await asyncio.wait({task}, timeout=CLOSE_GRACE_S)
+        if not task.done():
+            log.warning("MCP server %r (run %s): its session did not close", self.server.name, self.run_id)
 
 
-def _transport(server: McpServer, request: dict[str, Any]) -> Any:
+_CLOSING: set[asyncio.Task[None]] = set()  # sessions being closed: the loop keeps only weak references
+
+
+def _transport(server: McpServer, request: dict[str, Any], output: Output) -> Any:
     if server.stdio:
-        return _stdio(server, request)
+        return bounded_stdio(_stdio(server, request), output)
     return _http(server)
 
 
@@ -97,6 +132,7 @@ def _stdio(server: McpServer, request: dict[str, Any]) -> Any:
 
     from orchestrator.models import SandboxPolicy
     from worker.sandbox import SandboxContext, sandboxed_command
+    from worker.shell_policy import git_environment
 
     ctx = SandboxContext(
         workdir=request["workdir"], timeout_s=request.get("timeout_s", 300),
@@ -105,7 +141,8 @@ def _stdio(server: McpServer, request: dict[str, Any]) -> Any:
         run_id=request.get("run_id") or None,
     )  # fmt: skip
     assert server.command is not None
-    command = sandboxed_command([server.command, *server.args], ctx, server.env)
+    env = {**git_environment(ctx.workdir), **server.env}  # the operator's own settings win
+    command = sandboxed_command([server.command, *server.args], ctx, env)
     return StdioServerParameters(command=command.argv[0], args=command.argv[1:], env=command.env,
                                  cwd=command.cwd)  # fmt: skip
 
@@ -159,6 +196,16 @@ def _output(result: Any) -> Any:
 
 
 @dataclass
+class Listed:
+    """One server's part of the catalog."""
+
+    server: str
+    tools: list[dict[str, Any]]
+    problem: str = ""  # logged by the worker
+    unavailable: str = ""  # why none of its tools are in the catalog (tooloop doctor, tooloop tools)
+
+
+@dataclass
 class Opening:
     """The lock that makes a (server, run)'s concurrent first calls start one process, and
     how many calls hold or await it. Removed when that count is 0, not in ``drop``: a lock
@@ -190,16 +237,24 @@ class Host:
             listed = await asyncio.gather(*(self._list(s, request) for s in self.servers.values()))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        tools = [tool for found, _ in listed for tool in found]
-        return {"tools": tools, "errors": [error for _, error in listed if error]}
+        return {"tools": [tool for one in listed for tool in one.tools],
+                "errors": [one.problem for one in listed if one.problem],
+                "unavailable": {one.server: one.unavailable for one in listed if one.unavailable},
+                }  # fmt: skip
 
-    async def _list(self, server: McpServer, request: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    async def _list(self, server: McpServer, request: dict[str, Any]) -> Listed:
         session = Session(server, "")
+        deadline = asyncio.get_running_loop().time() + LIST_TIMEOUT_S  # start, handshake, listing
         try:
             await session.open(request, LIST_TIMEOUT_S)
-            found = await asyncio.wait_for(self._tools(session), LIST_TIMEOUT_S)
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                found = await asyncio.wait_for(self._tools(session), max(0.0, left))
+            except TimeoutError:
+                raise TimeoutError(f"no list of tools in {LIST_TIMEOUT_S:g}s") from None
         except Exception as exc:
-            return [], f"MCP server {server.name!r}: cannot list its tools: {_describe(exc)}"
+            why = f"cannot list its tools: {_describe(exc)}"
+            return Listed(server.name, [], f"MCP server {server.name!r}: {why}", why)
         finally:
             await session.close()
         tools, skipped = [], []
@@ -212,7 +267,7 @@ class Host:
                           "parameters": tool.input_schema or {"type": "object", "properties": {}},
                           "source": "mcp", "server": server.name, "tool": tool.name})  # fmt: skip
         error = f"MCP server {server.name!r}: tools {skipped} have names no model accepts" if skipped else ""
-        return tools, error
+        return Listed(server.name, tools, error)
 
     @staticmethod
     async def _tools(session: Session) -> list[Any]:
@@ -234,8 +289,8 @@ class Host:
         timeout = float(request["timeout_s"])
         try:
             session = await asyncio.wait_for(self._session(server, key, request), timeout)
-        except TimeoutError:
-            return _failed(f"Timeout: MCP server {server.name!r} did not start in {timeout:g}s")
+        except TimeoutError as exc:  # the call's limit, or the handshake's (its message says)
+            return _failed(f"Timeout: MCP server {server.name!r}: {exc or f'did not start in {timeout:g}s'}")
         except Exception as exc:
             return {"ok": False, "error": f"McpError: MCP server {server.name!r}: {_describe(exc)}"}
         return await self._call(session, request, timeout)
@@ -283,6 +338,9 @@ class Host:
         try:
             result = call.result()
         except MCPError as exc:
+            if session.output.too_large:  # the transport ended the connection: the message was too big
+                await self.drop(key)
+                return _failed(TOO_LARGE)
             if session.dead.is_set() or "closed" in str(exc).lower():
                 await self.drop(key)
                 return _failed(f"ServerDied: MCP server {name!r} exited during the call ({exc})")
@@ -313,7 +371,7 @@ class Host:
             done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
             gone.cancel()
             if call in done:
-                writer.write(json.dumps(call.result()).encode() + b"\n")
+                writer.write(_reply(call.result()) + b"\n")
                 await writer.drain()
             else:
                 call.cancel()
@@ -353,6 +411,12 @@ class Host:
 
 def _failed(error: str) -> dict[str, Any]:
     return {"ok": False, "error": error}
+
+
+def _reply(reply: dict[str, Any]) -> bytes:
+    """One reply line; over the cap, a failed call instead (as a forked call's result)."""
+    data = json.dumps(reply).encode()
+    return data if len(data) <= MAX_REPLY_BYTES else json.dumps(_failed(TOO_LARGE)).encode()
 
 
 def _text(value: Any) -> str:

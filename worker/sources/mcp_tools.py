@@ -5,7 +5,8 @@ every pool process inherits the registered tools and the host's socket path. A
 call (``call``) is a tool task like any other: fenced, leased, recorded; it sends
 one request to the host and waits for the reply, heartbeating the call's lease
 every ``TICK_S``, and gives up at the time limit or when the run ends (the host
-then closes that run's session: what the server was doing is cut short).
+then closes that run's session: what the server was doing is cut short). A reply is
+read into one buffer, at most ``MAX_REPLY_BYTES`` (a forked call's cap and an envelope).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import signals
 
 from worker.registry import ToolDef, register_remote
 from worker.sandbox import CallOutcome
+from worker.sources.mcp_config import MAX_REPLY_BYTES, TOO_LARGE, McpConfigError, load_servers
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +43,33 @@ _host: subprocess.Popen[bytes] | None = None
 _socket_path: str | None = None
 
 
-def start_host(mcp_servers: str) -> list[dict[str, Any]]:
-    """Start the MCP host, wait for the catalog, register its tools (main process only)."""
+@dataclass
+class Started:
+    """What ``start_host`` found: the tools registered, and the servers left out, with why."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+def start_host(mcp_servers: str) -> Started:
+    """Start the MCP host, wait for the catalog, register its tools (main process only).
+    A file that cannot be used raises ``McpConfigError`` before anything starts; a host
+    that fails leaves every server out (the worker still serves its other tools)."""
     global _host, _socket_path
     if not mcp_servers or _host is not None:
-        return []
+        return Started()
+    servers = load_servers(mcp_servers)  # here, in the worker: the host would only die of it
     folder = tempfile.mkdtemp(prefix="tooloop-mcp-")  # 0700: sandboxed calls cannot connect
     _socket_path = os.path.join(folder, "host.sock")
     _host = subprocess.Popen(
         [sys.executable, "-m", "worker.sources.mcp_host", _socket_path],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
     )  # fmt: skip
-    catalog = _read_catalog(_host)
+    try:
+        catalog = _read_catalog(_host)
+    except (RuntimeError, ValueError) as exc:
+        log.error("MCP: %s: this worker serves no MCP tools", exc)
+        return Started(unavailable={s.name: str(exc) for s in servers})
     for error in catalog.get("errors", []):
         log.warning("%s", error)
     tools = catalog.get("tools", [])
@@ -59,7 +77,17 @@ def start_host(mcp_servers: str) -> list[dict[str, Any]]:
         definition = ToolDef(entry["name"], entry["description"], entry["parameters"])
         register_remote(definition, "mcp", {"server": entry["server"], "tool": entry["tool"]})
     log.info("MCP: %d tool(s) from %s", len(tools), mcp_servers)
-    return tools
+    return Started(tools, catalog.get("unavailable", {}))
+
+
+def start_or_exit(mcp_servers: str) -> dict[str, str]:
+    """``start_host`` for a starting worker: a file that cannot be used stops it, exit 2, with
+    one line naming the file and the fault (never a worker that says ready and serves nothing)."""
+    try:
+        return start_host(mcp_servers).unavailable
+    except McpConfigError as exc:
+        print(exc, file=sys.stderr, flush=True)  # one line, as `tooloop worker` says it
+        raise SystemExit(2) from None
 
 
 def _die_with_parent() -> None:
@@ -125,8 +153,10 @@ def _await_reply(sock: socket.socket, timeout_s: float,
                  on_tick: Callable[[], bool]) -> dict[str, Any] | CallOutcome:  # fmt: skip
     deadline = time.monotonic() + timeout_s + HOST_GRACE_S
     next_tick = time.monotonic() + TICK_S
-    buf = b""
+    buf = bytearray()  # bytes += would copy the reply so far on every chunk: quadratic
     while not buf.endswith(b"\n"):
+        if len(buf) > MAX_REPLY_BYTES + 1:  # the host bounds its replies; this is the backstop
+            return CallOutcome(False, error=TOO_LARGE)
         now = time.monotonic()
         if now >= deadline:
             return CallOutcome(False, error=f"Timeout: tool call exceeded {timeout_s:g}s")
@@ -136,7 +166,7 @@ def _await_reply(sock: socket.socket, timeout_s: float,
                 return CallOutcome(False, error="Aborted: the run ended while the tool ran")
         ready, _, _ = select.select([sock], [], [], max(0.0, min(deadline, next_tick) - now))
         if ready:
-            chunk = sock.recv(1 << 16)
+            chunk = sock.recv(min(1 << 20, MAX_REPLY_BYTES + 2 - len(buf)))
             if not chunk:
                 return CallOutcome(False, error="McpError: the worker's MCP host closed the call")
             buf += chunk
