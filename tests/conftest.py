@@ -111,9 +111,9 @@ SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_
                            "site"})  # fmt: skip
 # A test that runs a suite of its own in a subprocess.
 NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})
-# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse): the tests
+# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse, an MCP host): the tests
 # that use one run in a single xdist process, so it is set up once per session.
-SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse"})
+SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse", "mcp_shared"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
