@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 
+from tests.conftest import ROOT
 from tests.helpers import wait_for
 
 PARENT = textwrap.dedent("""
@@ -39,3 +41,31 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# -- make: install only when pyproject.toml changed ----------------------------------------
+FAKE_TOOL = "#!/bin/sh\necho \"$(basename \"$0\") $*\" >> \"$(dirname \"$0\")/calls.log\"\n"
+
+
+def test_make_demo_installs_only_when_pyproject_changed(tmp_path) -> None:
+    """``make demo`` twice: the second runs the demo and no pip install. The Makefile runs
+    here on a copy, over a venv whose python and tooloop only log how they were called."""
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "tooloop"):
+        (bin_dir / name).write_text(FAKE_TOOL)
+        (bin_dir / name).chmod(0o755)
+    calls = bin_dir / "calls.log"
+
+    def make_demo() -> list[str]:
+        calls.write_text("")
+        subprocess.run(["make", "-s", "demo"], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+        return calls.read_text().splitlines()
+
+    assert make_demo() == ["python -m pip install -q -e .[test]", "tooloop demo"]
+    assert make_demo() == ["tooloop demo"]
+    later = (tmp_path / ".venv" / ".installed").stat().st_mtime + 10
+    os.utime(tmp_path / "pyproject.toml", (later, later))  # a dependency changed
+    assert make_demo() == ["python -m pip install -q -e .[test]", "tooloop demo"]
