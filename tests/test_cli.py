@@ -447,3 +447,18 @@ def test_a_command_with_redis_unreachable_says_so_and_exits_1() -> None:
     assert "error: Redis unreachable at TOOLOOP_REDIS_URL" in done.stderr and "Traceback" not in done.stderr
     error = json.loads(done.stdout)["error"]  # --json: the error is stdout's one document
     assert error["type"] == "redis_unreachable" and "TOOLOOP_REDIS_URL" in error["message"]
+
+
+def test_a_worker_started_elsewhere_says_once_which_tool_module_it_cannot_find(tmp_path) -> None:
+    """Failed before: from another folder, `--tools examples.tools` printed six tracebacks
+    (414 lines) while the pools died and restarted, then gave up."""
+    script = Path(sys.executable).with_name("tooloop")  # the console script, as a user runs it
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    env = {**os.environ, "TOOLOOP_TOOLS": "", "PYTHONPATH": ""}  # the suite's PYTHONPATH holds the project
+    done = subprocess.run([*command, "worker", "--tools", "examples.tools"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert "Traceback" not in said and "restarting" not in said and said.count("not found") == 1, said
+    assert "'examples.tools'" in said and f"from the folder {tmp_path}" in said and "sys.path" in said
+    assert f"\n    {tmp_path}\n" in said and "PYTHONPATH=" in said  # the pools' path, and the fix
