@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,17 +187,23 @@ def run(plans: list[PoolPlan], name: str, loglevel: str, tools: str | None,
     if missing := tools_not_found(modules, os.getcwd()):
         print(missing, file=sys.stderr)
         return 2
+    made = None  # a metrics folder of our own, removed on the way out
     if metrics_port is not None:  # before any pool starts: prometheus_client reads it at import
         from orchestrator import metrics
 
-        env[metrics.MULTIPROC_ENV] = os.environ[metrics.MULTIPROC_ENV] = metrics.multiproc_dir(
-            env.get(metrics.MULTIPROC_ENV))
-    keeper = PoolKeeper(plans, name, loglevel, env)
-    if metrics_port is not None:
-        serve_metrics(keeper, metrics_port)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, keeper.forward)
-    return keeper.watch()
+        given = env.get(metrics.MULTIPROC_ENV)
+        env[metrics.MULTIPROC_ENV] = os.environ[metrics.MULTIPROC_ENV] = metrics.multiproc_dir(given)
+        made = None if given else env[metrics.MULTIPROC_ENV]
+    try:
+        keeper = PoolKeeper(plans, name, loglevel, env)
+        if metrics_port is not None:
+            serve_metrics(keeper, metrics_port)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, keeper.forward)
+        return keeper.watch()
+    finally:
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def serve_metrics(keeper: PoolKeeper, port: int) -> None:
