@@ -9,8 +9,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-install: $(PY)
+# The stamp is older than pyproject.toml only when the dependencies may have changed:
+# `make demo` twice installs once. A new venv has no stamp (it lives inside it).
+STAMP  := $(VENV)/.installed
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/tooloop demo

@@ -31,8 +31,7 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
     if not os.environ.get("TOOLOOP_BENCH_SHARED_REDIS") and shutil.which("redis-server"):
         url = private_redis(stack)
     elif not redis_answers(url):
-        url, server = embedded_redis()
-        stack.callback(server.shutdown)
+        url = stack.enter_context(embedded_redis())
     env = {
         "TOOLOOP_REDIS_URL": url,
         "TOOLOOP_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:8]}",

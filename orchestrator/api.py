@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from orchestrator import metrics, telemetry
-from orchestrator.bounds import API_BODY_MAX_BYTES, REASON_MAX_CHARS, STEER_MAX_CHARS
+from orchestrator.bounds import API_BODY_MAX_BYTES, TooLong
 from orchestrator.client import Client
 from orchestrator.connections import connect_async
 from orchestrator.events import Event
@@ -299,6 +299,16 @@ def _reply(api: ApiState, run_id: str, action: str, verdict: str) -> ControlRepl
                         status=api.client.store.status(run_id))  # fmt: skip
 
 
+@contextmanager
+def _bounded() -> Iterator[None]:
+    """A text over its bound (orchestrator/bounds.py, checked by the store for every
+    entrance) answers 400; nothing was written."""
+    try:
+        yield
+    except TooLong as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
 CONTROL_ERRORS: dict[int | str, dict[str, Any]] = {
     **NO_RUN,
     409: {"model": Problem, "description": "the run has ended (or, for resume, is not paused)"},
@@ -325,9 +335,9 @@ def abort(
 ) -> ControlReply:
     """End the run now: status and exit `aborted`; an in-flight reply is discarded."""
     reason = (body or AbortBody()).reason
-    if len(reason) > REASON_MAX_CHARS:
-        raise HTTPException(400, f"reason has {len(reason):,} characters; the limit is {REASON_MAX_CHARS:,}")
-    reply = _reply(api, run_id, "abort", api.client.store.abort(run_id, f"api:{tenant}", reason))
+    with _bounded():
+        verdict = api.client.store.abort(run_id, f"api:{tenant}", reason)
+    reply = _reply(api, run_id, "abort", verdict)
     telemetry.observe_end(api.client.store, run_id)  # no task of the run may run again to see it
     return reply
 
@@ -341,10 +351,8 @@ def steer(run_id: OwnedRun, tenant: Tenant, api: Api, body: SteerBody) -> Contro
     """Queue guidance; it reaches the model at the run's next turn boundary."""
     if not body.message.strip():
         raise HTTPException(400, "message must not be blank")
-    if len(body.message) > STEER_MAX_CHARS:
-        raise HTTPException(400, f"message has {len(body.message):,} characters; the limit is "
-                            f"{STEER_MAX_CHARS:,}")  # fmt: skip
-    verdict = api.client.store.steer(run_id, body.message, by=f"api:{tenant}")
+    with _bounded():
+        verdict = api.client.store.steer(run_id, body.message, by=f"api:{tenant}")
     return _reply(api, run_id, "steer", verdict)
 
 
@@ -384,9 +392,8 @@ def deny(
 ) -> ControlReply:
     """Refuse a call waiting for approval: the model gets a failed record with the reason."""
     reason = (body or DenyBody()).reason
-    if len(reason) > REASON_MAX_CHARS:
-        raise HTTPException(400, f"reason has {len(reason):,} characters; the limit is {REASON_MAX_CHARS:,}")
-    verdict = api.client.decide(run_id, call_id, False, reason, by=f"api:{tenant}")
+    with _bounded():
+        verdict = api.client.decide(run_id, call_id, False, reason, by=f"api:{tenant}")
     return _decision(api, run_id, call_id, "deny", verdict)
 
 

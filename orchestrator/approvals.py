@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.bounds import REASON_MAX_CHARS, RECORD_INPUTS_MAX_BYTES, bound_value, cut_text
+from orchestrator.bounds import REASON_MAX_CHARS, RECORD_INPUTS_MAX_BYTES, bound_value, refuse_long
 from orchestrator.keys import shard_of
 from orchestrator.scrub import scrub_value
 
@@ -165,9 +165,11 @@ def park(store: RunStore, payload: dict[str, Any], arguments: Any) -> Gate:
 def decide(store: RunStore, run_id: str, call_id: str, approved: bool, reason: str = "",
            by: str = "operator") -> tuple[str, dict[str, Any] | None, int]:  # fmt: skip
     """Record a decision: ('ok', payload to dispatch, its message generation), or
-    ('already'|'unknown'|'ended'|'missing', None, 0)."""
+    ('already'|'unknown'|'ended'|'missing', None, 0). A reason over REASON_MAX_CHARS is
+    refused (``TooLong``) before anything is written."""
     decision = "approved" if approved else "denied"
-    reason = cut_text(reason or ("approved" if approved else "denied by a person"), REASON_MAX_CHARS)
+    reason = reason or ("approved" if approved else "denied by a person")
+    refuse_long("reason", reason, REASON_MAX_CHARS)
     leases = store.keys.leases(shard_of(run_id))  # the run's hash tag (orchestrator/keys.py)
     out = _script(store, "DECIDE")(keys=[*_keys(store, run_id), leases], args=[
         call_id, decision, reason, by, int(store.settings.lease_s * 1000),

@@ -17,7 +17,28 @@ REPLY_MAX_CHARS = 100_000  # a model reply (text plus tool-call arguments); beyo
 STEER_MAX_CHARS = 10_000  # one steer text
 REASON_MAX_CHARS = 1_000  # an abort reason
 API_BODY_MAX_BYTES = 1 << 20  # any request body of the operator API
+SPEC_MAX_BYTES = API_BODY_MAX_BYTES  # a spec as JSON, whichever entrance it comes through
 MIN_STRING = 64  # strings this short are never cut (a marker would be longer)
+
+
+class TooLong(ValueError):
+    """A person's text over its bound: refused, never cut, so they know what was kept."""
+
+
+def refuse_long(what: str, text: str, limit: int) -> None:
+    """``TooLong`` when ``text`` has more than ``limit`` characters. The store calls it
+    before writing, so the CLI, ``RunHandle`` and the API all meet the same bound."""
+    if len(text) > limit:
+        raise TooLong(f"{what} has {len(text):,} characters; the limit is {limit:,}")
+
+
+def spec_size_error(spec_json: str) -> str | None:
+    """Why a spec (its JSON) is refused for its size, or None: the API refuses a larger
+    body, so the CLI and ``Client.submit`` refuse the same spec."""
+    size = len(spec_json.encode())
+    if size <= SPEC_MAX_BYTES:
+        return None
+    return f"spec: {size:,} bytes as JSON; the limit is {SPEC_MAX_BYTES:,}"
 
 
 def cut_text(text: str, limit: int) -> str:

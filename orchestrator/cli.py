@@ -12,14 +12,87 @@ import json
 import os
 import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
+from orchestrator.bounds import TooLong
 from orchestrator.models import RunResult
 
+ARGV = "tooloop.argv"  # ctx.meta: the command's own arguments, as typed
+
+
+class CliError(Exception):
+    """A command's refusal or failure: said once on stderr, and as stdout's one JSON
+    document with --json. ``kind`` is that document's ``error.type``."""
+
+    def __init__(self, message: str, code: int, kind: str) -> None:
+        super().__init__(message)
+        self.message, self.code, self.kind = message, code, kind
+
+
+class Commands(TyperGroup):
+    """Every command's errors in one place: with ``--json`` on the command line, stdout
+    holds ``{"error": {"type", "message"}}`` whatever failed (typer's usage errors too)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta[ARGV] = list(args)  # what follows the group: the command and its arguments
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            error = _as_cli_error(exc)
+            as_json = "--json" in ctx.meta.get(ARGV, [])
+            if error is None:  # a defect: its traceback, and still one document with --json
+                if not as_json:
+                    raise
+                traceback.print_exc()
+                error = CliError(f"{type(exc).__name__}: {exc}", 1, "internal")
+            _report(error, exc, as_json)
+            raise typer.Exit(error.code) from None
+
+
+def _as_cli_error(exc: Exception) -> CliError | None:
+    """The CliError an exception means, or None for a defect."""
+    if isinstance(exc, CliError):
+        return exc
+    if isinstance(exc, TooLong):  # a steer text, a reason: refused, nothing written
+        return CliError(str(exc), 2, "usage")
+    if _usage_error(exc):
+        return CliError(exc.format_message(), getattr(exc, "exit_code", 2), "usage")
+    errors = sys.modules.get("redis.exceptions")  # (loaded by the commands that use Redis: not --help)
+    if errors is not None and isinstance(exc, errors.ConnectionError):
+        return CliError(f"Redis unreachable at TOOLOOP_REDIS_URL: {exc}", 1, "redis_unreachable")
+    return None
+
+
+def _usage_error(exc: Exception) -> bool:
+    """typer's own (0.2x vendors click) or click's, for a typer that still uses click."""
+    click = sys.modules.get("click")
+    return isinstance(exc, typer.TyperException) or (
+        click is not None and isinstance(exc, click.ClickException))
+
+
+def _report(error: CliError, exc: Exception, as_json: bool) -> None:
+    if error.kind == "usage" and hasattr(exc, "show"):
+        exc.show(file=sys.stderr)  # usage line, hint and message, as typer prints them
+    elif error.kind == "redis_unreachable":
+        _err(f"error: {error.message}")
+    else:
+        _err(error.message)
+    if as_json:
+        _print_json({"error": {"type": error.kind, "message": error.message}})
+
+
 app = typer.Typer(
+    cls=Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -27,16 +100,15 @@ app = typer.Typer(
 )
 
 RunArg = Annotated[str, typer.Argument(help="run id")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="one JSON document on stdout")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="one JSON document on stdout (errors too)")]
 
 
 def _err(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    _err(message)
-    raise typer.Exit(code)
+def _fail(message: str, code: int, kind: str) -> NoReturn:
+    raise CliError(message, code, kind)
 
 
 def _client() -> Any:
@@ -49,7 +121,7 @@ def _handle(run_id: str) -> Any:
     try:
         return _client().get(run_id)
     except KeyError:
-        _fail(f"no run {run_id!r}", 2)
+        _fail(f"no run {run_id!r}", 2, "not_found")
 
 
 def _print_json(data: Any) -> None:
@@ -87,10 +159,12 @@ def submit(
     from orchestrator.client import load_spec
     from orchestrator.validation import SpecError
 
+    if not timeout > 0:  # (nan too) refused before the run exists, not reported as "still running" after
+        raise typer.BadParameter(f"{timeout:g}: seconds to wait must be > 0", param_hint="'--timeout'")
     try:
         handle = _client().submit(load_spec(spec, prompt))
     except SpecError as exc:
-        _fail(str(exc), 2)
+        _fail(str(exc), 2, "spec_refused")
     for warning in handle.warnings:
         _err(f"warning: {warning}")
     if not wait:
@@ -170,7 +244,7 @@ def validate(spec: Annotated[Path, typer.Argument(help="run spec, YAML or JSON")
     try:
         loaded = load_spec(spec)
     except SpecError as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), 1, "spec_refused")
     try:
         store = RunStore.from_settings()
         store.redis.ping()
@@ -203,7 +277,7 @@ def tools_command(as_json: JsonOpt = False) -> None:
         _print_json(entries)
         return
     if not entries:
-        _fail("no live tool worker has published its tools", 1)
+        _fail("no live tool worker has published its tools", 1, "no_tools")
     print(plain_table(tools_rows(entries)))
     print("(http tools are declared per run, in specs: `http_tools`)", file=sys.stderr)
 
@@ -211,11 +285,11 @@ def tools_command(as_json: JsonOpt = False) -> None:
 # -- control --------------------------------------------------------------------
 def _control(verdict: str, run_id: str, action: str) -> None:
     if verdict == "missing":
-        _fail(f"no run {run_id!r}", 2)
+        _fail(f"no run {run_id!r}", 2, "not_found")
     if verdict == "ended":
-        _fail(f"run {run_id} has already ended", 1)
+        _fail(f"run {run_id} has already ended", 1, "ended")
     if verdict == "full":
-        _fail(f"run {run_id} has too many steer messages waiting; try after its next turn", 1)
+        _fail(f"run {run_id} has too many steer messages waiting; try after its next turn", 1, "full")
     print(f"{action}: {run_id} ({verdict})")
 
 
@@ -235,12 +309,8 @@ def resume(run_id: RunArg) -> None:
 def steer(run_id: RunArg, text: Annotated[str, typer.Argument(help="guidance")]) -> None:
     """Queue guidance for the run's next turn."""
     if not text.strip():
-        _fail("steer text must not be empty", 2)
-    try:
-        verdict = _client().store.steer(run_id, text, by=_who())
-    except ValueError as exc:  # over the length limit
-        _fail(str(exc), 2)
-    _control(verdict, run_id, "steer")
+        _fail("steer text must not be empty", 2, "usage")
+    _control(_client().store.steer(run_id, text, by=_who()), run_id, "steer")
 
 
 @app.command()
@@ -257,13 +327,14 @@ CallArg = Annotated[str, typer.Argument(help="the model's tool call id (shown by
 
 def _decided(verdict: str, run_id: str, call_id: str, action: str) -> None:
     if verdict == "missing":
-        _fail(f"no run {run_id!r}", 2)
+        _fail(f"no run {run_id!r}", 2, "not_found")
     if verdict == "unknown":
-        _fail(f"run {run_id} has no call {call_id!r} waiting for approval", 2)
+        _fail(f"run {run_id} has no call {call_id!r} waiting for approval", 2, "not_found")
     if verdict == "ended":
-        _fail(f"run {run_id} has already ended", 1)
+        _fail(f"run {run_id} has already ended", 1, "ended")
     if verdict == "already":
-        _fail(f"call {call_id} of run {run_id} was already decided; this {action} changed nothing", 1)
+        _fail(f"call {call_id} of run {run_id} was already decided; this {action} changed nothing", 1,
+              "already")
     print(f"{action}: {run_id} {call_id} (ok)")
 
 
@@ -309,7 +380,7 @@ def worker(
         plans = launcher.plan(Keys(settings.key_prefix), queues.split(","), concurrency)
         launcher.check_sources(settings.mcp_servers, plans)
     except ValueError as exc:
-        _fail(str(exc), 2)
+        _fail(str(exc), 2, "usage")
     raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools, metrics_port))
 
 
@@ -355,7 +426,7 @@ def api(
     try:
         tokens = get_settings().tenant_tokens()
     except ValueError as exc:  # a duplicated token: refuse to start rather than guess its tenant
-        _fail(str(exc), 2)
+        _fail(str(exc), 2, "usage")
     if not tokens:
         _err("warning: TOOLOOP_API_TOKENS is empty: every /api/runs request will answer 401")
     from orchestrator.api import serve  # FastAPI only here: other commands stay fast
@@ -364,14 +435,7 @@ def api(
 
 
 def main() -> None:
-    try:
-        app()
-    except Exception as exc:
-        errors = sys.modules.get("redis.exceptions")  # (loaded by the commands that use Redis: not --help)
-        if errors is None or not isinstance(exc, errors.ConnectionError):
-            raise
-        _err(f"error: Redis unreachable at TOOLOOP_REDIS_URL: {exc}")
-        sys.exit(1)
+    app()
 
 
 if __name__ == "__main__":

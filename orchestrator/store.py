@@ -19,7 +19,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from orchestrator import scripts
-from orchestrator.bounds import STEER_MAX_CHARS
+from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS, refuse_long
 from orchestrator.connections import connect
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
@@ -336,12 +336,13 @@ class RunStore:
     def steer(self, run_id: str, text: str, by: str = "operator", source: str = "operator") -> str:
         """'full' when STEER_MAX messages already wait for the next turn. ``source``:
         'operator' (a person: CLI, API, client), or 'supervisor' / 'judge' (see steer_entry)."""
-        if len(text) > STEER_MAX_CHARS:
-            raise ValueError(f"steer text has {len(text):,} characters; the limit is {STEER_MAX_CHARS:,}")
+        refuse_long("steer text", text, STEER_MAX_CHARS)
         message = steer_entry(text, source)
         return _s(self._run("STEER", run_id, json.dumps(message), by, STEER_MAX))
 
     def abort(self, run_id: str, by: str = "operator", reason: str = "abort requested") -> str:
+        """``TooLong`` (nothing written) when ``reason`` is over REASON_MAX_CHARS."""
+        refuse_long("reason", reason, REASON_MAX_CHARS)
         return _s(self._run("ABORT", run_id, by, reason))
 
     def mark_once(self, run_id: str, key: str, *event_fields: Any) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.bounds import REASON_MAX_CHARS, cut_text
 from orchestrator.models import SupervisorRule, SupervisorSpec
 
 RECENT_TOOLS = 10  # tool names the judge sees, most recent last
@@ -184,8 +185,9 @@ def _text(rule: SupervisorRule, view: LoopView) -> str:
 
 
 def abort_reason(firing: Firing) -> str:
-    """An abort's reason names the rule that fired."""
-    return f"supervisor rule {firing.rule} ({firing.key}) fired: {firing.message}"
+    """An abort's reason names the rule that fired (cut to the bound the store enforces:
+    the rule's message may be as long as a steer text)."""
+    return cut_text(f"supervisor rule {firing.rule} ({firing.key}) fired: {firing.message}", REASON_MAX_CHARS)
 
 
 # -- the judge ---------------------------------------------------------------------------

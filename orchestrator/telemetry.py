@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TRACER_NAME = "tooloop"
 ENDED = ("completed", "failed", "aborted")
@@ -67,21 +70,35 @@ def configured() -> bool:
 
 
 def enabled() -> bool:
-    """A provider was installed in this process, or an exporter is configured."""
-    return (_state["provider"] is not None and _state["pid"] == os.getpid()) or configured()
+    """A provider was installed in this process, or an exporter is configured and the
+    OpenTelemetry SDK is there to export with."""
+    return tracer() is not None
 
 
 def tracer() -> Any:
     """This process's tracer, or None when tracing is off. Set up once per process
     (a forked pool child builds its own: exporters' threads and sockets do not survive fork)."""
-    if not enabled():
+    if _state["pid"] == os.getpid():
+        return _state["tracer"]  # set up here already (None: the SDK is missing)
+    if not configured():
         return None
-    if _state["pid"] != os.getpid():
-        with _lock:
-            if _state["pid"] != os.getpid():
-                provider = make_provider(_exporter())
-                _state.update(pid=os.getpid(), provider=provider, tracer=provider.get_tracer(TRACER_NAME))
+    with _lock:
+        if _state["pid"] != os.getpid():
+            provider = _provider_or_none()
+            _state.update(pid=os.getpid(), provider=provider,
+                          tracer=provider.get_tracer(TRACER_NAME) if provider else None)  # fmt: skip
     return _state["tracer"]
+
+
+def _provider_or_none() -> Any:
+    """The configured exporter's provider; None, said once, without the ``otel`` extra: a
+    missing SDK turns tracing off, it does not stop a submit or a worker."""
+    try:
+        return make_provider(_exporter())
+    except ModuleNotFoundError as exc:
+        log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed (%s): "
+                    "pip install 'tooloop[otel]' to export traces; running without tracing", exc)  # fmt: skip
+        return None
 
 
 def install(provider: Any) -> None:

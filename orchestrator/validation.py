@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from orchestrator.approvals import check_approval
+from orchestrator.bounds import spec_size_error
 from orchestrator.credentials import check_call
 from orchestrator.http_tools import check_http_tools
 from orchestrator.models import RunSpec
@@ -58,11 +59,16 @@ def parse_spec_data(data: dict[str, Any]) -> RunSpec:
         raise SpecError(validation_messages(exc)) from exc
 
 
+STRICT_TYPES = ("int_type", "float_type", "bool_type")  # strict fields (orchestrator/scalars.py)
+
+
 def validation_messages(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "spec"
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] in STRICT_TYPES:  # `true` or "5" where a number goes: say what was given
+            msg += f", not {err['input']!r}"
         out.append(f"{where}: {msg}")
     return out
 
@@ -76,14 +82,19 @@ class SpecReport:
     skill_docs: list[str] = field(default_factory=list)
 
 
-def check_spec(spec: RunSpec, store: RunStore | None) -> SpecReport:
+def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None) -> SpecReport:
+    """Every check at submit. ``run_id``: the id the caller gives the run, if any (a
+    ``context.sandbox_root`` of ``$TOOLOOP_SANDBOX_ROOT/<name>`` is that run's folder only)."""
     settings = store.settings if store is not None else get_settings()
     report = SpecReport(stored_spec=spec)
+    if too_large := spec_size_error(spec.model_dump_json(exclude_defaults=True)):
+        report.errors.append(too_large)
+        return report  # the other checks would only read it
     _check_secrets(spec, report, settings)
     _check_scrub_opt_out(spec, settings, report)
     _load_agent_docs(spec, store, report)
     _check_supervisor(spec, report)
-    _check_sandbox_root(spec, store, report)
+    _check_sandbox_root(spec, settings, run_id, report)
     if store is not None:
         _check_tools(spec, store, report)
     check_http_tools(spec, store.catalog() if store is not None else None, settings, report)
@@ -113,15 +124,15 @@ def _check_secrets(spec: RunSpec, report: SpecReport, settings: Settings) -> Non
     report.stored_spec = stored
 
 
-def _check_sandbox_root(spec: RunSpec, store: RunStore | None, report: SpecReport) -> None:
-    """``context.sandbox_root`` is handed to the run's tools: only inside the operator's roots."""
+def _check_sandbox_root(spec: RunSpec, settings: Settings, run_id: str | None, report: SpecReport) -> None:
+    """``context.sandbox_root`` is handed to the run's tools: only inside the operator's roots,
+    and, under the sandbox root, only the run's own folder (what the worker checks again)."""
     if spec.context is None or spec.context.sandbox_root is None:
         return
     from orchestrator.sandbox_roots import FolderRefused, check_given
 
-    settings = store.settings if store is not None else get_settings()
     try:
-        check_given(settings, spec.context.sandbox_root)
+        check_given(settings, spec.context.sandbox_root, run_id)
     except FolderRefused as exc:
         report.errors.append(f"context.sandbox_root: {exc}")
 

@@ -196,7 +196,11 @@ def test_submit_over_http_takes_a_sandbox_root_only_inside_the_operators_roots(h
     assert refused.status_code == 422
     assert refused.json()["detail"][0]["loc"] == ["body", "context", "sandbox_root"]
     assert not any(outside.iterdir())  # nothing created there
-    inside = os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], f"api-{tmp_path.name}")
+    # a folder under the sandbox root is the run of its name's: this run (its id not drawn yet) is not it
+    named = os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], f"api-{tmp_path.name}")
+    refused = http.post("/api/runs", json=spec([{"content": "x"}], context={"sandbox_root": named}))
+    assert refused.status_code == 422 and "run_id=" in refused.json()["detail"][0]["msg"]
+    inside = os.path.join(os.environ["TOOLOOP_SANDBOX_ALLOW"], f"api-{tmp_path.name}")
     accepted = http.post("/api/runs", json=spec([{"content": "ok"}], context={"sandbox_root": inside}))
     assert accepted.status_code == 201, accepted.text
     assert client.get(accepted.json()["run_id"]).wait(timeout=30).content == "ok"

@@ -115,3 +115,46 @@ def test_steer_text_has_a_limit(client, worker, spec, holds):
     with pytest.raises(ValueError, match="limit"):
         run.steer("s" * (STEER_MAX_CHARS + 1))
     assert run.steer("s" * STEER_MAX_CHARS) == "ok"
+
+
+def test_client_and_run_handle_refuse_what_the_api_refuses_before_writing(deployment, spec, model_server):
+    """Failed before: ``Client.submit`` wrote a 5 MB prompt and took `true` and "5" for numbers;
+    ``RunHandle.abort`` took a reason of any length. The API's bounds hold at every entrance."""
+    import yaml
+
+    from orchestrator.bounds import REASON_MAX_CHARS, SPEC_MAX_BYTES, TooLong
+    from orchestrator.models import RunSpec
+    from orchestrator.validation import SpecError, parse_spec_data
+
+    d = deployment()  # a key prefix of its own, and no worker: a run stays queued
+    base = spec([{"content": "x"}])
+    rule = {"when": "tool_repeated", "then": "steer"}
+    refused = [
+        ({**base, "prompt": "p" * SPEC_MAX_BYTES}, f"the limit is {SPEC_MAX_BYTES:,}"),
+        (RunSpec(**{**base, "prompt": "p" * SPEC_MAX_BYTES}), f"the limit is {SPEC_MAX_BYTES:,}"),
+        ({**base, "max_iterations": True}, "max_iterations: Input should be a valid integer, not True"),
+        ({**base, "max_iterations": "5"}, "max_iterations: Input should be a valid integer, not '5'"),
+        ({**base, "tool_timeout_s": "300"}, "tool_timeout_s: Input should be a valid number"),
+        ({**base, "scrub_model_input": "false"}, "scrub_model_input: Input should be a valid boolean"),
+        ({**base, "sandbox": {"memory_mb": 512.0}}, "sandbox.memory_mb"),
+        ({**base, "supervisor": {"rules": [{**rule, "count": True}]}}, "supervisor.rules.0.count"),
+        ({**base, "supervisor": {"rules": [{**rule, "message": "m" * (STEER_MAX_CHARS + 1)}]}},
+         "supervisor.rules.0.message"),
+    ]  # fmt: skip
+    for data, said in refused:
+        with pytest.raises(SpecError) as caught:
+            d.client.submit(data)
+        assert said in str(caught.value), (said, caught.value)
+    assert list(d.store.redis.scan_iter(f"{d.prefix}*", count=1000)) == []  # nothing written or enqueued
+    # numbers as YAML writes them still parse: 5 is an int, and an int is a float
+    from_yaml = parse_spec_data({**base, **yaml.safe_load("max_iterations: 5\ntool_timeout_s: 5\n")})
+    assert (from_yaml.max_iterations, from_yaml.tool_timeout_s) == (5, 5.0)
+
+    run = d.client.submit(base)
+    events = d.store.redis.xlen(d.store.keys.events(run.run_id))
+    with pytest.raises(TooLong, match=f"the limit is {REASON_MAX_CHARS:,}"):
+        run.abort("r" * (REASON_MAX_CHARS + 1))
+    with pytest.raises(TooLong, match=f"the limit is {REASON_MAX_CHARS:,}"):
+        run.deny("call-1", "r" * (REASON_MAX_CHARS + 1))
+    assert run.status() == Status.queued and d.store.redis.xlen(d.store.keys.events(run.run_id)) == events
+    assert run.abort("r" * REASON_MAX_CHARS) == "ok" and run.status() == Status.aborted

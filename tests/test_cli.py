@@ -9,6 +9,8 @@ import select
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,36 @@ def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, tim
     )  # fmt: skip
 
 
+
+
+def cli(*args: str) -> Any:
+    """``tooloop ARGS`` in this process (typer's CliRunner): the same commands, without
+    a second of interpreter start per call. ``.stdout`` and ``.stderr`` apart."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def own_prefix(monkeypatch) -> Iterator[str]:
+    """This test's in-process commands under a key prefix of their own: all they write is
+    under it (the session's workers and other tests write under theirs)."""
+    from orchestrator.settings import get_settings
+
+    prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("TOOLOOP_KEY_PREFIX", prefix)
+    get_settings.cache_clear()
+    yield prefix
+    monkeypatch.undo()
+    get_settings.cache_clear()
+
+
+def keys_under(prefix: str) -> list[bytes]:
+    from orchestrator.store import RunStore
+
+    return list(RunStore.from_settings().redis.scan_iter(f"{prefix}*", count=1000))
 
 
 def write_spec(tmp_path: Path, data: dict[str, Any], name: str = "spec.json") -> Path:
@@ -95,6 +127,71 @@ def test_refused_spec_and_bad_usage_exit_2(tmp_path, spec, model_server) -> None
     assert tooloop("status", "no-such-run").returncode == 2
     assert tooloop("watch", "no-such-run").returncode == 2
     assert tooloop("frobnicate").returncode == 2
+
+
+def test_every_json_error_is_one_document_with_the_same_exit_code(tmp_path, spec, model_server) -> None:
+    """Failed before: with --json an error wrote nothing to stdout (usage errors neither)."""
+    refused = write_spec(tmp_path, {**spec([{"content": "x"}]), "colour": "red"})
+    cases = [
+        (("submit", str(refused), "--json"), 2, "spec_refused", "colour: unknown field"),
+        (("submit", str(tmp_path / "gone.yaml"), "--json"), 2, "spec_refused", "gone.yaml"),
+        (("submit", "--json"), 2, "usage", "Missing argument"),
+        (("status", "nosuchrun", "--json"), 2, "not_found", "no run 'nosuchrun'"),
+        (("status", "--json"), 2, "usage", "Missing argument"),
+        (("list", "--limit", "many", "--json"), 2, "usage", "--limit"),
+        (("tools", "--json", "--colour"), 2, "usage", "--colour"),
+        (("doctor", "--colour", "--json"), 2, "usage", "--colour"),
+        (("frobnicate", "--json"), 2, "usage", "frobnicate"),
+    ]
+    for args, code, kind, said in cases:
+        done = cli(*args)
+        assert done.exit_code == code, (args, done.output)
+        assert done.stdout.count("\n") == 1, (args, done.stdout)  # one document, one line
+        document = json.loads(done.stdout)
+        assert list(document) == ["error"] and document["error"]["type"] == kind, (args, document)
+        assert said in document["error"]["message"] and said in done.stderr, (args, done.stderr)
+        plain = cli(*(a for a in args if a != "--json"))
+        assert (plain.exit_code, plain.stdout) == (code, ""), (args, plain.stdout)  # same code, no JSON
+
+
+def test_the_cli_refuses_input_out_of_bounds_before_writing(tmp_path, spec, model_server, own_prefix) -> None:
+    """Failed before: a 5 MB prompt, `max_iterations: true` or "5" were submitted, `--timeout -5`
+    created the run (then "still running"), and an abort reason had no bound."""
+    import yaml
+
+    from orchestrator.bounds import REASON_MAX_CHARS, SPEC_MAX_BYTES
+    from orchestrator.models import RunSpec
+    from orchestrator.store import RunStore
+
+    base = spec([{"content": "x"}])
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text(yaml.safe_dump({**base, "max_iterations": "5"}))
+    cases = [
+        (write_spec(tmp_path, {**base, "prompt": "p" * SPEC_MAX_BYTES}, "huge.json"), (), "spec_refused",
+         f"the limit is {SPEC_MAX_BYTES:,}"),
+        (write_spec(tmp_path, {**base, "max_iterations": True}, "flag.json"), (), "spec_refused",
+         "max_iterations: Input should be a valid integer, not True"),
+        (quoted, (), "spec_refused", "max_iterations: Input should be a valid integer, not '5'"),
+        (write_spec(tmp_path, base, "ok.json"), ("--wait", "--timeout", "-5"), "usage", "--timeout"),
+        (write_spec(tmp_path, base, "ok.json"), ("--wait", "--timeout", "0"), "usage", "--timeout"),
+    ]  # fmt: skip
+    for path, extra, kind, said in cases:
+        done = cli("submit", str(path), *extra, "--json")
+        error = json.loads(done.stdout)["error"]
+        assert (done.exit_code, error["type"]) == (2, kind) and said in error["message"], (path, extra, error)
+    assert keys_under(own_prefix) == []  # nothing written, nothing enqueued
+
+    store = RunStore.from_settings()
+    run_id = uuid.uuid4().hex
+    store.create(run_id, RunSpec.model_validate(base), [{"role": "user", "content": "x"}])  # queued
+    events = store.redis.xlen(store.keys.events(run_id))
+    too_long = "r" * (REASON_MAX_CHARS + 1)
+    for args in (("abort", run_id, "--reason", too_long), ("deny", run_id, "call-1", "--reason", too_long)):
+        done = cli(*args)
+        assert done.exit_code == 2 and f"the limit is {REASON_MAX_CHARS:,}" in done.stderr, done.output
+    assert store.status(run_id) == Status.queued and store.redis.xlen(store.keys.events(run_id)) == events
+    assert cli("abort", run_id, "--reason", "r" * REASON_MAX_CHARS).exit_code == 0  # at the bound: taken
+    assert store.result(run_id).error.endswith("r" * REASON_MAX_CHARS)
 
 
 # -- list and watch ----------------------------------------------------------------------------
@@ -344,6 +441,24 @@ def test_a_plain_celery_worker_serves_turns_and_tools(deployment, spec) -> None:
 def test_a_command_with_redis_unreachable_says_so_and_exits_1() -> None:
     from orchestrator.local import free_port
 
-    done = tooloop("status", "some-run", env={"TOOLOOP_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+    done = tooloop("status", "some-run", "--json",
+                   env={"TOOLOOP_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert "error: Redis unreachable at TOOLOOP_REDIS_URL" in done.stderr and "Traceback" not in done.stderr
+    error = json.loads(done.stdout)["error"]  # --json: the error is stdout's one document
+    assert error["type"] == "redis_unreachable" and "TOOLOOP_REDIS_URL" in error["message"]
+
+
+def test_a_worker_started_elsewhere_says_once_which_tool_module_it_cannot_find(tmp_path) -> None:
+    """Failed before: from another folder, `--tools examples.tools` printed six tracebacks
+    (414 lines) while the pools died and restarted, then gave up."""
+    script = Path(sys.executable).with_name("tooloop")  # the console script, as a user runs it
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    env = {**os.environ, "TOOLOOP_TOOLS": "", "PYTHONPATH": ""}  # the suite's PYTHONPATH holds the project
+    done = subprocess.run([*command, "worker", "--tools", "examples.tools"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert "Traceback" not in said and "restarting" not in said and said.count("not found") == 1, said
+    assert "'examples.tools'" in said and f"from the folder {tmp_path}" in said and "sys.path" in said
+    assert f"\n    {tmp_path}\n" in said and "PYTHONPATH=" in said  # the pools' path, and the fix

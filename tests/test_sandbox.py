@@ -1109,6 +1109,23 @@ def test_submit_refuses_a_sandbox_root_outside_the_roots(client, worker, spec, t
     assert ok.status == "completed"
 
 
+def test_a_run_folder_under_the_sandbox_root_is_accepted_only_with_its_run_id(client, worker, spec) -> None:
+    """Failed before: `$TOOLOOP_SANDBOX_ROOT/<name>` was accepted at submit, then the worker
+    refused it to the run (its id is not <name>): every tool call failed."""
+    name = f"named-{uuid.uuid4().hex[:8]}"
+    given = os.path.join(runs_root(), name)
+    steps = [{"tool_calls": [tool_call("append_line", text="mine")]}, {"content": "done"}]
+    data = spec(steps, tools=["append_line"], context={"sandbox_root": given}, tenant=name)
+    for run_id in (None, f"other-{name}"):
+        with pytest.raises(SpecError) as refused:
+            client.submit(data, run_id=run_id)
+        assert "context.sandbox_root" in str(refused.value) and f"run_id={name!r}" in str(refused.value)
+    assert client.list(tenant=name) == []  # nothing written
+    result = client.submit(data, run_id=name).wait(timeout=60)  # the run the folder is named after
+    assert records(result)["append_line"].output == 1 and result.status == "completed"
+    assert Path(given, "effects.txt").read_text() == "mine\n"
+
+
 def test_the_worker_refuses_a_foreign_sandbox_root_before_touching_it(client, worker, spec,
                                                                       tmp_path: Path) -> None:  # fmt: skip
     victim, secret = victim_folder(tmp_path)

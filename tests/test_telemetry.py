@@ -198,3 +198,27 @@ def test_span_text_is_scrubbed_and_capped() -> None:
     assert "abcdefghijklmnop" not in out and "AKIAABCDEFGHIJKLMNOP" not in out and "s3cretpw" not in out
     assert "REDACTED" in out and len(out) == telemetry.CONTENT_CHARS
     assert telemetry.scrub("plain words stay") == "plain words stay"
+
+
+WITHOUT_SDK = ("import sys\n"
+               "for name in ('opentelemetry.sdk', 'opentelemetry.exporter'):\n"
+               "    sys.modules[name] = None  # import fails as without the otel extra\n"
+               "from orchestrator.cli import main\n"
+               "sys.argv = ['tooloop', *sys.argv[1:]]\n"
+               "main()\n")  # fmt: skip
+
+
+def test_otlp_configured_without_the_sdk_says_what_to_install_and_runs_untraced(tmp_path, client, worker,
+                                                                                spec) -> None:  # fmt: skip
+    """Failed before: `tooloop submit` died with a ModuleNotFoundError traceback."""
+    import json
+
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec([{"content": "untraced"}])))
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SDK, "submit", str(path), "--json"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    [said] = done.stderr.splitlines()  # one line: what is missing and what to install
+    assert "OpenTelemetry is not installed" in said and "pip install 'tooloop[otel]'" in said, said
+    assert client.get(json.loads(done.stdout)["run_id"]).wait(timeout=60).content == "untraced"

@@ -17,7 +17,10 @@ can take over.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,22 +148,74 @@ class PoolKeeper:
         return next((c for c in codes if c), 0)
 
 
+def pool_path(folder: str) -> list[str]:
+    """The pools' sys.path: they run ``python -m celery`` in ``folder``, so it comes first
+    (this process's own first entry is its script's folder, or that same folder)."""
+    return [folder, *sys.path[1:]]
+
+
+def findable(module: str, path: list[str]) -> bool:
+    """Whether ``module`` can be imported with ``path`` as sys.path, importing nothing:
+    the top-level name is looked up there, each submodule in its package's folders."""
+    top, *rest = module.split(".")
+    saved = sys.path[:]
+    sys.path[:] = path
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path[:] = saved
+    name = top
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        name = f"{name}.{part}"
+        spec = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def tools_not_found(modules: list[str], folder: str) -> str | None:
+    """One message for the tool modules the pools would not find, or None. Checked before
+    any pool starts: each would fail on its own, with a traceback, again and again."""
+    path = pool_path(folder)
+    missing = [m for m in modules if not findable(m, path)]
+    if not missing:
+        return None
+    tops = ", ".join(sorted({repr(m.split(".")[0]) for m in missing}))
+    listed = "\n".join(f"    {p or '(empty: the current folder)'}" for p in path)
+    return (f"tooloop worker: tool module(s) {', '.join(map(repr, missing))} (--tools / TOOLOOP_TOOLS) "
+            f"not found from the folder {folder}\n  sys.path of the pools:\n{listed}\n"
+            f"  fix: start the worker from the folder that holds {tops} (your project), or put that "
+            f"folder on PYTHONPATH (PYTHONPATH=/path/to/project tooloop worker ...)")  # fmt: skip
+
+
 def run(plans: list[PoolPlan], name: str, loglevel: str, tools: str | None,
         metrics_port: int | None = None) -> int:  # fmt: skip
     env = dict(os.environ)
     if tools:
         env["TOOLOOP_TOOLS"] = ",".join(filter(None, [env.get("TOOLOOP_TOOLS"), tools]))
+    modules = [m.strip() for m in env.get("TOOLOOP_TOOLS", "").split(",") if m.strip()]
+    if missing := tools_not_found(modules, os.getcwd()):
+        print(missing, file=sys.stderr)
+        return 2
+    made = None  # a metrics folder of our own, removed on the way out
     if metrics_port is not None:  # before any pool starts: prometheus_client reads it at import
         from orchestrator import metrics
 
-        env[metrics.MULTIPROC_ENV] = os.environ[metrics.MULTIPROC_ENV] = metrics.multiproc_dir(
-            env.get(metrics.MULTIPROC_ENV))
-    keeper = PoolKeeper(plans, name, loglevel, env)
-    if metrics_port is not None:
-        serve_metrics(keeper, metrics_port)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, keeper.forward)
-    return keeper.watch()
+        given = env.get(metrics.MULTIPROC_ENV)
+        env[metrics.MULTIPROC_ENV] = os.environ[metrics.MULTIPROC_ENV] = metrics.multiproc_dir(given)
+        made = None if given else env[metrics.MULTIPROC_ENV]
+    try:
+        keeper = PoolKeeper(plans, name, loglevel, env)
+        if metrics_port is not None:
+            serve_metrics(keeper, metrics_port)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, keeper.forward)
+        return keeper.watch()
+    finally:
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def serve_metrics(keeper: PoolKeeper, port: int) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,7 +61,7 @@ def start_host(mcp_servers: str) -> Started:
         return Started()
     servers = load_servers(mcp_servers)  # here, in the worker: the host would only die of it
     folder = tempfile.mkdtemp(prefix="tooloop-mcp-")  # 0700: sandboxed calls cannot connect
-    _socket_path = os.path.join(folder, "host.sock")
+    _socket_path = os.path.join(folder, "host.sock")  # its folder is removed by stop_host
     _host = subprocess.Popen(
         [sys.executable, "-m", "worker.sources.mcp_host", _socket_path],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
@@ -108,14 +109,15 @@ def stop_host() -> None:
     """Stop the host: it closes every session (and so every server process) first."""
     global _host
     proc, _host = _host, None
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc is not None and _socket_path:  # the host is gone: its socket's folder goes too
+        shutil.rmtree(os.path.dirname(_socket_path), ignore_errors=True)
 
 
 @signals.worker_shutdown.connect
