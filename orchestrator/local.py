@@ -85,8 +85,9 @@ class WorkerProcess:
             )  # fmt: skip
 
     def wait_ready(self, store: Any, roles: tuple[str, ...] = ("turns", "tools"),
-                   timeout: float = 90) -> WorkerProcess:  # fmt: skip
-        """Until each pool has published itself in the worker registry."""
+                   timeout: float = 240) -> WorkerProcess:  # fmt: skip
+        """Until each pool has published itself in the worker registry. A start is ~6 s of
+        CPU (litellm's import in the turn process): on a loaded 2-core box that took 96 s."""
         wanted = {f"{role}@{self.name}" for role in roles}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
