@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator.settings import get_settings
+from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
 
 
-def diagnose() -> dict[str, Any]:
-    settings = get_settings()
+def diagnose(settings: Settings | None = None) -> dict[str, Any]:
+    settings = settings or get_settings()
     store = RunStore.from_settings(settings)
     report: dict[str, Any] = {"redis": {"url": settings.redis_url, "ok": False}}
     try:
@@ -25,8 +25,7 @@ def diagnose() -> dict[str, Any]:
         aof=bool(info.get("aof_enabled")),
         maxmemory_policy=config.get("maxmemory-policy"),
     )
-    keys = store.keys
-    report["queues"] = _queue_depths(settings, [keys.turn_queue, keys.tool_queue])
+    report["queues"] = _queue_depths(settings, store)
     now = time.time()
     report["workers"] = {
         name: {
@@ -53,15 +52,17 @@ def sandbox_report(store: RunStore) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _queue_depths(settings: Any, queues: list[str]) -> dict[str, Any]:
-    """From the broker itself (RabbitMQ or Redis): messages waiting in each queue."""
-    from worker.app import make_app
-    from worker.broker import queue_depths
+def _queue_depths(settings: Settings, store: RunStore) -> dict[str, Any]:
+    """What waits in the turn and tool queues, counted in the broker itself (the Redis lists
+    behind kombu's queues, every priority and each tool's own queue; RabbitMQ's message
+    counts), as the metrics count it."""
+    from orchestrator.metrics import queue_depths
 
     try:
-        return {q: n or 0 for q, n in queue_depths(make_app(settings), queues).items()}
+        return queue_depths(settings, store.redis)
     except Exception as exc:  # the broker is down: say so, keep the rest of the report
-        return {q: f"broker unreachable ({exc})" for q in queues}
+        keys = store.keys
+        return {q: f"broker unreachable ({exc})" for q in (keys.turn_queue, keys.tool_queue)}
 
 
 def render(report: dict[str, Any]) -> None:
