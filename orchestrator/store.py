@@ -237,6 +237,12 @@ class RunStore:
         capped event stream; False (not kept) once the run has ended."""
         return bool(self._run("TEXT", run_id, iteration, text))
 
+    def text_events(self, pieces: list[tuple[str, int, str]]) -> list[bool | Exception]:
+        """``text_event`` for each (run id, iteration, text), in one round trip (a failed
+        one's error in its place)."""
+        out = self._many("TEXT", [(run_id, (iteration, text)) for run_id, iteration, text in pieces])
+        return [r if isinstance(r, Exception) else bool(r) for r in out]
+
     def add_usage(self, run_id: str, kind: str, tokens: int, cost_usd: float = 0.0) -> None:
         """Count a model call made for the run outside its turns' replies (the judge)."""
         self._run("ADD_USAGE", run_id, kind, usage(tokens, cost_usd))

@@ -36,7 +36,7 @@ from worker.observe import ModelTelemetry, TurnTelemetry
 from worker.ratelimit import RateLimited, limiter_for
 from worker.registry import REGISTRY, function_schema
 from worker.steps import Correct, RunTools, ToolRequest, decide
-from worker.streaming import TextStream
+from worker.streaming import TextStream, live_text
 from worker.supervision import Supervision
 
 log = get_task_logger(__name__)
@@ -212,8 +212,7 @@ class Turn:
         """With ``stream: true``, the reply's text goes to watchers as it arrives."""
         if not self.spec.model_params.get("stream"):
             return None
-        run_id, iteration = self.ctx.run_id, self.ctx.iteration
-        return TextStream(lambda text: self.store.text_event(run_id, iteration, text))
+        return live_text(self.store, self.ctx.run_id, self.ctx.iteration)
 
     async def compact(self, reason: str) -> bool:
         """Summarise older messages when the history is past its threshold (or the provider
