@@ -8,6 +8,9 @@ from typing import Any
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
 
+NO_KEY = ("sealed values do not open here: a tool call whose arguments hold a secret fails "
+          "(SecretError), and so does a turn whose spec has a sealed credential")
+
 
 def diagnose(settings: Settings | None = None) -> dict[str, Any]:
     settings = settings or get_settings()
@@ -34,6 +37,8 @@ def diagnose(settings: Settings | None = None) -> dict[str, Any]:
             "sandbox": w.get("sandbox", {}),
             "sandbox_off": w.get("sandbox_off", {}),  # layer -> why it is off
             "seen_s_ago": round(now - w.get("seen", now), 1),
+            # without it, sealed tool arguments and credentials do not open there
+            "secret_key": w.get("secret_key"),
         }
         for name, w in store.live_workers().items()
     }
@@ -87,3 +92,5 @@ def render(report: dict[str, Any]) -> None:
                       f"sandbox={layers} seen {w['seen_s_ago']}s ago")  # fmt: skip
         for layer, why in w.get("sandbox_off", {}).items():
             console.print(f"  [yellow]{layer} off[/yellow]: {why}", markup=True, highlight=False)
+        if w.get("secret_key") is False:
+            console.print(f"  [yellow]no TOOLOOP_SECRET_KEY[/yellow]: {NO_KEY}", markup=True, highlight=False)

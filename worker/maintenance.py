@@ -33,6 +33,7 @@ from celery import signals
 from orchestrator import metrics
 from orchestrator.keys import CATALOG_REFRESH_S, SHARDS
 from orchestrator.models import Exit
+from orchestrator.settings import get_settings
 from orchestrator.store import Dispatch, Finish, Held, Recovery, RunStore
 from worker import broker
 
@@ -373,7 +374,8 @@ def worker_info(queues: list[str], tools: list[dict[str, Any]]) -> dict[str, Any
     from worker.sandbox import layer_reasons, layers  # probes bubblewrap once, before the pool forks
 
     return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid(),
-            "sandbox": layers(), "sandbox_off": layer_reasons()}  # fmt: skip
+            "sandbox": layers(), "sandbox_off": layer_reasons(),
+            "secret_key": bool(get_settings().secret_key)}  # fmt: skip  (whether, never which)
 
 
 # -- wiring into the Celery worker -----------------------------------------------
