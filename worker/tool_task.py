@@ -261,7 +261,7 @@ def unroutable(store: RunStore, payload: dict[str, Any], gen: int, celery_app: A
     record = ToolCallRecord(call_id=payload["call_id"], tool_name=payload["tool"],
                             inputs=_parse(payload.get("arguments")), success=False, error=error,
                             iteration=payload["iteration"])  # fmt: skip
-    message = {"role": "tool", "tool_call_id": payload["call_id"], "content": f"Error: {error}"}
+    message = {"role": "tool", "tool_call_id": protect.model_call_id(payload), "content": f"Error: {error}"}
     verdict, next_gen = store.record_call(payload["run_id"], payload["iteration"], payload["index"],
                                           "", record, json.dumps(message), gen=gen)  # fmt: skip
     log.warning("call %s/%s: %s (%s)", payload["run_id"], payload["key"], error, verdict)
