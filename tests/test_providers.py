@@ -248,3 +248,25 @@ def test_rate_limit_buckets_use_redis_time_not_the_hosts(store, monkeypatch):
     count = aio.run(asyncio.wait_for(admitted(100), 60))
     refilled = (time.monotonic() - started) / 2  # 30 rpm: one request every 2 s
     assert 30 <= count <= 30 + refilled + 1, count
+
+
+def test_a_retry_waits_for_rate_capacity_in_place_a_bounded_while(store):
+    """A retry or a fallback waited in place for as long as the bucket said (a minute at 1
+    rpm), outside any bound of the turn's lease; past MAX_WAIT_IN_PLACE_S it now goes back
+    to the queue like a first attempt (RateLimited: the turn is deferred)."""
+    from orchestrator.settings import Settings
+    from worker import aio
+    from worker.ratelimit import MAX_WAIT_IN_PLACE_S, Limiter, Limits, RateLimited
+
+    settings = Settings(key_prefix=f"{store.keys.prefix}-rl-{uuid.uuid4().hex[:6]}")
+    limiter = Limiter(settings, Limits({"models": {"m": {"rpm": 1}}}))  # the next request in ~60 s
+
+    async def retried() -> tuple[float, float]:
+        await limiter.take("m", "acme", 1, may_defer=False)
+        started = time.monotonic()
+        with pytest.raises(RateLimited) as refused:
+            await limiter.take("m", "acme", 1, may_defer=False)  # a retry: may not defer the turn itself
+        return time.monotonic() - started, refused.value.wait_s
+
+    took, wait_s = aio.run(asyncio.wait_for(retried(), MAX_WAIT_IN_PLACE_S / 2))
+    assert took < 2 and MAX_WAIT_IN_PLACE_S < wait_s <= 60, (took, wait_s)

@@ -88,6 +88,17 @@ class InFlight:
             self._ensure_heartbeat(store)
             self._items[held] = time.monotonic() + (max_s if max_s is not None else float("inf"))
 
+    def extend(self, held: Held, max_s: float) -> bool:
+        """Beat ``held`` for ``max_s`` from now (its next bounded piece of work: a model call,
+        the record). False if it is beaten no longer (taken over, ended, past its time, or
+        released): it must not start more work."""
+        with self._lock:
+            until, now = self._items.get(held), time.monotonic()
+            if until is None or until < now:
+                return False
+            self._items[held] = now + max_s
+            return True
+
     def release(self, held: Held) -> None:
         with self._lock:
             self._items.pop(held, None)

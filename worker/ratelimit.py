@@ -19,7 +19,8 @@ like minutes of refill (or none), cannot drain or overfill a shared bucket.
 
 A turn that would wait long is handed back to the queue with a countdown (see
 ``worker/turn.py``) rather than holding a worker slot; a retry or a fallback waits
-in place.
+in place, at most ``MAX_WAIT_IN_PLACE_S`` (longer, it too goes back to the queue): each
+wait counts in the bound of the turn's model call (``worker/turn.py``, ``max_call_s``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from orchestrator.keys import Keys
 from orchestrator.settings import Settings
 
 WAIT_IN_PLACE_S = 1.0  # a first attempt waiting longer than this defers the whole turn
+MAX_WAIT_IN_PLACE_S = 30.0  # a retry or fallback waiting longer than this defers it too
 
 # Redis's clock, in ms (scripts replicate their effects: TIME is allowed before writes)
 _NOW = """
@@ -159,12 +161,15 @@ class Limiter:
 
     async def take(self, model: str, tenant: str, tokens: int, may_defer: bool) -> None:
         """Wait for one request of ``tokens`` (estimated) on the model's and the tenant's
-        buckets; ``RateLimited`` instead, when ``may_defer`` and the wait is long."""
+        buckets; ``RateLimited`` instead, when the wait is long (in all, past
+        ``WAIT_IN_PLACE_S`` when ``may_defer``: a first attempt; past ``MAX_WAIT_IN_PLACE_S``
+        for the others)."""
         buckets = self.limits.buckets(model, tenant)
         if not buckets:
             return
         _, take, _ = self._redis()
         keys = [self.keys.rate_bucket(b.scope) for b in buckets]
+        limit, waited = (WAIT_IN_PLACE_S if may_defer else MAX_WAIT_IN_PLACE_S), 0.0
         while True:
             args: list[Any] = []
             for b in buckets:
@@ -173,9 +178,10 @@ class Limiter:
             wait_s = int(await take(keys=keys, args=args)) / 1000
             if wait_s <= 0:
                 return
-            if may_defer and wait_s > WAIT_IN_PLACE_S:
+            if waited + wait_s > limit:  # in all: others may take what refilled meanwhile
                 raise RateLimited(wait_s, ", ".join(b.scope for b in buckets))
             await asyncio.sleep(wait_s)
+            waited += wait_s
 
     async def settle(self, model: str, tenant: str, estimated: int, used: int) -> None:
         """Charge the tokens buckets what the reply really used beyond the estimate."""
