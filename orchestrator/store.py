@@ -23,7 +23,16 @@ from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS, refuse_long
 from orchestrator.connections import connect
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
-from orchestrator.keys import SHARDS, STEER_MAX, WORKER_TTL_S, Keys, call_key, parse_call_key, shard_of
+from orchestrator.keys import (
+    SHARDS,
+    STEER_MAX,
+    WORKER_TTL_S,
+    Keys,
+    call_key,
+    parse_call_key,
+    run_id_error,
+    shard_of,
+)
 from orchestrator.models import (
     LIMIT_EXITS,
     RunResult,
@@ -33,7 +42,6 @@ from orchestrator.models import (
     status_for_exit,
 )
 from orchestrator.settings import Settings, get_settings
-from orchestrator.validation import run_id_error
 
 
 def now_ms() -> int:
@@ -195,11 +203,20 @@ class RunStore:
     def record_tool_calls(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
                           tokens: int, payloads: list[dict[str, Any]],
                           cost_usd: float = 0.0) -> str:  # fmt: skip
-        pairs: list[str] = []
+        """Record a reply asking for tool calls; 'dispatch': send them. Each payload's
+        ``call_id`` becomes the call's id in the run, unique (see RECORD_REPLY): a
+        repeated one is rewritten, the model's kept as ``model_call_id``."""
+        triples: list[str] = []
         for index, payload in enumerate(payloads):
-            pairs += [call_key(iteration, index), json.dumps(payload)]
-        return _s(self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
-                            usage(tokens, cost_usd), "tools", *pairs))  # fmt: skip
+            triples += [call_key(iteration, index), payload["call_id"], json.dumps(payload)]
+        out = self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
+                        usage(tokens, cost_usd), "tools", *triples)  # fmt: skip
+        if not isinstance(out, list):
+            return _s(out)
+        for payload, raw in zip(payloads, out[1:], strict=True):
+            if (unique := _s(raw)) != payload["call_id"]:
+                payload["model_call_id"], payload["call_id"] = payload["call_id"], unique
+        return _s(out[0])
 
     def record_correction(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
                           tokens: int, correction: str,
@@ -238,6 +255,12 @@ class RunStore:
         """A piece of the model's streamed reply (scrubbed) for watchers, kept only in the
         capped event stream; False (not kept) once the run has ended."""
         return bool(self._run("TEXT", run_id, iteration, text))
+
+    def text_events(self, pieces: list[tuple[str, int, str]]) -> list[bool | Exception]:
+        """``text_event`` for each (run id, iteration, text), in one round trip (a failed
+        one's error in its place)."""
+        out = self._many("TEXT", [(run_id, (iteration, text)) for run_id, iteration, text in pieces])
+        return [r if isinstance(r, Exception) else bool(r) for r in out]
 
     def add_usage(self, run_id: str, kind: str, tokens: int, cost_usd: float = 0.0) -> None:
         """Count a model call made for the run outside its turns' replies (the judge)."""
