@@ -9,9 +9,10 @@ from orchestrator.settings import get_settings
 from orchestrator.store import RunStore
 
 
-def diagnose() -> dict[str, Any]:
-    settings = get_settings()
-    store = RunStore.from_settings(settings)
+def diagnose(store: RunStore | None = None, celery_app: Any = None) -> dict[str, Any]:
+    """The report (the console's fleet page shows the same, from its own store and app)."""
+    settings = store.settings if store else get_settings()
+    store = store or RunStore.from_settings(settings)
     report: dict[str, Any] = {"redis": {"url": settings.redis_url, "ok": False}}
     try:
         info = store.redis.info()
@@ -26,7 +27,7 @@ def diagnose() -> dict[str, Any]:
         maxmemory_policy=config.get("maxmemory-policy"),
     )
     keys = store.keys
-    report["queues"] = _queue_depths(settings, [keys.turn_queue, keys.tool_queue])
+    report["queues"] = _queue_depths(settings, [keys.turn_queue, keys.tool_queue], celery_app)
     now = time.time()
     report["workers"] = {
         name: {
@@ -53,13 +54,13 @@ def sandbox_report(store: RunStore) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _queue_depths(settings: Any, queues: list[str]) -> dict[str, Any]:
+def _queue_depths(settings: Any, queues: list[str], celery_app: Any = None) -> dict[str, Any]:
     """From the broker itself (RabbitMQ or Redis): messages waiting in each queue."""
     from worker.app import make_app
     from worker.broker import queue_depths
 
     try:
-        return {q: n or 0 for q, n in queue_depths(make_app(settings), queues).items()}
+        return {q: n or 0 for q, n in queue_depths(celery_app or make_app(settings), queues).items()}
     except Exception as exc:  # the broker is down: say so, keep the rest of the report
         return {q: f"broker unreachable ({exc})" for q in queues}
 
