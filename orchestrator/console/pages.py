@@ -8,6 +8,7 @@ the event stream is the API's own generator (``follow``), behind the session coo
 from __future__ import annotations
 
 import re
+from urllib.parse import urlencode
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Header, Query, Request
@@ -102,7 +103,11 @@ def runs_rows(
 def _list_context(console: Console, tenant: str, status: str, q: str, before: str | None) -> dict[str, Any]:
     q = q[:200]
     found = listing.page(console.api.client.store, tenant, status, q, before)
+    wanted = {"status": status, "q": q}
     return {
+        "query": _query(**wanted, before=before),
+        "older": _query(**wanted, before=found.next_cursor) if found.next_cursor else None,
+        "newest": _query(**wanted) if before else None,
         "page": found,
         "status": status if status in listing.FILTERS else "",
         "q": q,
@@ -111,6 +116,10 @@ def _list_context(console: Console, tenant: str, status: str, q: str, before: st
         "page_size": listing.PAGE_SIZE,
         "window": listing.SEARCH_WINDOW,
     }
+
+
+def _query(**params: str | None) -> str:
+    return urlencode({k: v for k, v in params.items() if v})
 
 
 # -- a run -----------------------------------------------------------------------------------------

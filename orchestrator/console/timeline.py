@@ -74,6 +74,7 @@ class TurnView:
     notes: list[Note] = field(default_factory=list)  # control events during this turn
     guidance: list[Note] = field(default_factory=list)  # steer texts the model saw first
     pending: bool = False  # the turn in flight: no reply recorded yet
+    streamed: str = ""  # the model's streamed text so far (a spec with model_params.stream)
     corrected: bool = False  # its reply did not parse; a corrective message followed
 
 
@@ -268,6 +269,9 @@ def _place_events(turns: dict[int, TurnView], events: list[dict[str, Any]],
                 if isinstance(cost, float):
                     turn.cost_usd = max(0.0, cost - (previous[2] if previous and previous[2] else 0.0))
             previous, current = (n, tokens or 0, cost if isinstance(cost, float) else None), n
+            continue
+        if kind == "text" and isinstance(n, int):
+            _turn(turns, n).streamed += str(event.get("text", ""))
             continue
         note = describe(event)
         if note is None:
