@@ -30,8 +30,14 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
 
 TOKENS = "tok-acme=acme,tok-globex=globex"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 WAIT_MS = 30_000  # a loaded machine: the worker's turns, the page's poll and fetches
 expect.set_options(timeout=WAIT_MS)
 
@@ -93,8 +99,12 @@ def sessions(browser, console_url) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _page(browser, console_url, state: Any, **options: Any) -> Iterator[Any]:
-    context = browser.new_context(base_url=console_url, storage_state=state,
-                                  viewport=options.pop("viewport", {"width": 1280, "height": 800}), **options)  # fmt: skip
+    context = browser.new_context(
+        base_url=console_url,
+        storage_state=state,
+        viewport=options.pop("viewport", {"width": 1280, "height": 800}),
+        **options,
+    )
     context.set_default_timeout(WAIT_MS)
     page = context.new_page()
     errors: list[str] = []
@@ -121,8 +131,14 @@ def cli_submit(data: dict[str, Any], tmp_path) -> str:
     """``tooloop submit SPEC`` in a subprocess: the run id it prints."""
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(data))
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "submit", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -157,9 +173,11 @@ def test_sign_in_sets_a_strict_httponly_session_and_refuses_a_wrong_token(browse
 
 def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, worker, holds, tmp_path) -> None:
     first, second, last = gate(holds), gate(holds), gate(holds)
-    steps = [tools(call("add", {"a": 2, "b": 3}, call_id="c-add"), call("leaky", call_id="c-leak"), hold=first),
-             tools(call("boom", {"message": "kaput"}, call_id="c-boom"), hold=second),
-             {"content": "all done", "hold": last}]  # fmt: skip
+    steps = [
+        tools(call("add", {"a": 2, "b": 3}, call_id="c-add"), call("leaky", call_id="c-leak"), hold=first),
+        tools(call("boom", {"message": "kaput"}, call_id="c-boom"), hold=second),
+        {"content": "all done", "hold": last},
+    ]
     listing = acme.context.new_page()
     listing.goto("/")
     run_id = cli_submit(spec(steps, tools=["add", "leaky", "boom"], tenant="acme"), tmp_path)
@@ -204,10 +222,15 @@ def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, work
     listing.close()
 
 
-def test_pause_steer_resume_and_the_model_sees_the_steer(acme, spec, client, worker, holds, model_server) -> None:
+def test_pause_steer_resume_and_the_model_sees_the_steer(
+    acme, spec, client, worker, holds, model_server
+) -> None:
     reply = gate(holds)
-    data = spec([tools(call("add", {"a": 1, "b": 1}, call_id="c1"), hold=reply), {"content": "done"}], tools=["add"],
-                tenant="acme")  # fmt: skip
+    data = spec(
+        [tools(call("add", {"a": 1, "b": 1}, call_id="c1"), hold=reply), {"content": "done"}],
+        tools=["add"],
+        tenant="acme",
+    )
     handle = client.submit(data)
     page = acme
     page.goto(f"/runs/{handle.run_id}")
@@ -226,16 +249,26 @@ def test_pause_steer_resume_and_the_model_sees_the_steer(acme, spec, client, wor
     page.get_by_test_id("resume").click()
     expect(status(page)).to_have_text("completed")
     expect(page.locator("#turn-2 .guidance")).to_have_text("Use the blue door.")
-    expect(page.locator("#timeline")).to_contain_text(f"pause by console:acme")
+    expect(page.locator("#timeline")).to_contain_text("pause by console:acme")
     seen = model_server.calls(data["model"])[-1]["messages"]
     assert any("Use the blue door." in str(m.get("content")) for m in seen)  # the steer reached the model
     page.get_by_test_id("resume").wait_for(state="detached")  # an ended run has no controls
 
 
-def test_approve_shows_inputs_first_and_a_denial_reaches_the_model(acme, spec, client, worker, model_server) -> None:
-    data = spec([tools(call("guarded_append", {"text": "ship it"}, call_id="g1"),
-                       call("guarded_append", {"text": "drop tables"}, call_id="g2")),
-                 {"content": "done"}], tools=["guarded_append"], tenant="acme")  # fmt: skip
+def test_approve_shows_inputs_first_and_a_denial_reaches_the_model(
+    acme, spec, client, worker, model_server
+) -> None:
+    data = spec(
+        [
+            tools(
+                call("guarded_append", {"text": "ship it"}, call_id="g1"),
+                call("guarded_append", {"text": "drop tables"}, call_id="g2"),
+            ),
+            {"content": "done"},
+        ],
+        tools=["guarded_append"],
+        tenant="acme",
+    )
     handle = client.submit(data)
     page = acme
     page.goto(f"/runs/{handle.run_id}")
@@ -285,13 +318,17 @@ def test_abort_asks_first_csrf_and_tenants(acme, globex, spec, client, worker, h
     assert handle.result().exit == "aborted"
 
 
-def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(browser, console_url, sessions, spec, client,
-                                                                 worker, holds) -> None:  # fmt: skip
+def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(
+    browser, console_url, sessions, spec, client, worker, holds
+) -> None:
     start = gate(holds)
     words = "Thinking hard about it. " * 5 + "Done."  # a first piece of 100 characters: the worker
     # sends streamed text on in pieces of 80 characters or more (worker/streaming.py)
-    data = spec([{"content": words, "chunk_chars": 100, "stall": 3, "hold": start}], tenant="acme",
-                model_params={"stream": True})  # fmt: skip
+    data = spec(
+        [{"content": words, "chunk_chars": 100, "stall": 3, "hold": start}],
+        tenant="acme",
+        model_params={"stream": True},
+    )
     with _page(browser, console_url, sessions["acme"], viewport={"width": 390, "height": 844}) as page:
         handle = client.submit(data)
         page.goto(f"/runs/{handle.run_id}")
@@ -302,7 +339,9 @@ def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(browser, conso
         assert handle.status() != "completed"
         expect(status(page)).to_have_text("completed")
         expect(page.get_by_test_id("turn").get_by_test_id("model-text")).to_have_text(words)
-        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # no sideways scroll
+        assert page.evaluate(
+            "document.documentElement.scrollWidth <= window.innerWidth"
+        )  # no sideways scroll
         page.goto("/")
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
 
@@ -329,13 +368,21 @@ def test_every_change_needs_the_csrf_token_and_a_session(console_url, client, sp
         token = re.search(r'name="csrf-token" content="([^"]+)"', run_page.text)[1]
         other_origin = {"X-CSRF-Token": token, "Origin": "http://evil.example", "Accept": "application/json"}
         assert http.post(f"/runs/{handle.run_id}/pause", headers=other_origin).status_code == 403
-        ok = http.post(f"/runs/{handle.run_id}/pause", headers={"X-CSRF-Token": token, "Accept": "application/json"})
+        ok = http.post(
+            f"/runs/{handle.run_id}/pause", headers={"X-CSRF-Token": token, "Accept": "application/json"}
+        )
         assert ok.status_code == 200 and ok.json()["status"] == "paused"
-        again = http.post(f"/runs/{handle.run_id}/resume", data={"csrf": token}, headers={"Accept": "application/json"})
+        again = http.post(
+            f"/runs/{handle.run_id}/resume", data={"csrf": token}, headers={"Accept": "application/json"}
+        )
         assert again.json()["ok"] and handle.status() != "paused"
-        ended = http.post(f"/runs/{handle.run_id}/abort", data={"csrf": token}, headers={"Accept": "application/json"})
+        ended = http.post(
+            f"/runs/{handle.run_id}/abort", data={"csrf": token}, headers={"Accept": "application/json"}
+        )
         assert ended.status_code == 200
-        refused = http.post(f"/runs/{handle.run_id}/pause", data={"csrf": token}, headers={"Accept": "application/json"})
+        refused = http.post(
+            f"/runs/{handle.run_id}/pause", data={"csrf": token}, headers={"Accept": "application/json"}
+        )
         assert refused.status_code == 409 and refused.json()["message"] == "The run has already ended."
     schema = httpx.get(f"{console_url}/openapi.json").json()["paths"]
     assert "/" not in schema and not any(p.startswith("/runs") for p in schema)  # the API's document only

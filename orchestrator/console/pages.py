@@ -8,8 +8,8 @@ the event stream is the API's own generator (``follow``), behind the session coo
 from __future__ import annotations
 
 import re
-from urllib.parse import urlencode
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, Header, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
