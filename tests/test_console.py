@@ -386,3 +386,138 @@ def test_every_change_needs_the_csrf_token_and_a_session(console_url, client, sp
         assert refused.status_code == 409 and refused.json()["message"] == "The run has already ended."
     schema = httpx.get(f"{console_url}/openapi.json").json()["paths"]
     assert "/" not in schema and not any(p.startswith("/runs") for p in schema)  # the API's document only
+
+
+# -- pure pieces and the command ----------------------------------------------------------------------
+def test_sessions_are_signed_expire_and_end_with_their_token(monkeypatch) -> None:
+    import itsdangerous.timed
+
+    from orchestrator.console.auth import SESSION_MAX_AGE_S, Sessions
+    from orchestrator.console.web import safe_next
+    from orchestrator.tokens import token_digest
+
+    digests = {token_digest("tok-a"): "acme"}
+    sessions = Sessions(digests, "secret")
+    cookie = sessions.open("tok-a")
+    assert sessions.open("tok-b") is None and sessions.read_value(cookie).tenant == "acme"
+    assert (
+        sessions.read_value(cookie).csrf
+        != Sessions(digests, "secret").read_value(sessions.open("tok-a")).csrf
+    )
+    tampered = cookie[:-2] + ("A" if cookie[-2] != "A" else "B") + cookie[-1]
+    assert sessions.read_value(tampered) is None
+    assert Sessions(digests, "another secret").read_value(cookie) is None  # signed with the server's key
+    assert Sessions({token_digest("tok-new"): "acme"}, "secret").read_value(cookie) is None  # token revoked
+    assert (
+        Sessions(digests, "secret", insecure_local=True).read_value(sessions.open_local()).tenant == "default"
+    )
+    assert sessions.read_value(sessions.open_local()) is None  # a local session only in --insecure-local
+    now = time.time()
+    monkeypatch.setattr(itsdangerous.timed.time, "time", lambda: now + SESSION_MAX_AGE_S + 5)
+    assert sessions.read_value(cookie) is None  # expired
+    for target, safe in [("/runs/x#turn-2", "/runs/x#turn-2"), ("//evil.example/", "/"),
+                         ("https://evil.example/", "/"), ("/\\evil", "/"), ("", "/")]:  # fmt: skip
+        assert safe_next(target) == safe
+
+
+def test_runs_pages_follow_the_index_without_gaps_and_a_search_stays_bounded(deployment, monkeypatch) -> None:
+    from orchestrator.console import listing
+    from orchestrator.models import RunSpec
+
+    store = deployment().store  # a prefix of its own, and no worker to pick these runs up
+    made = []
+    for i in range(130):  # created back to back: many share a millisecond (ties in the index)
+        prompt = f"task {i} needle" if i % 10 == 0 else f"task {i}"
+        run_id = f"r{i:03d}-{os.urandom(3).hex()}"
+        store.create(run_id, RunSpec(prompt=prompt, model="openai/x", tenant="pager"), [])
+        made.append(run_id)
+    store.create("other-tenant-run", RunSpec(prompt="needle", model="openai/x", tenant="else"), [])
+    created = {r: int(store.state(r)["created_at"]) for r in made}
+    newest_first = sorted(made, key=lambda r: (created[r], r), reverse=True)
+
+    def follow(**query: str) -> list[list[str]]:
+        pages, before = [], None
+        while True:
+            page = listing.page(store, "pager", before=before, **query)
+            pages.append([row.run_id for row in page.rows])
+            if page.next_cursor is None:
+                return pages
+            before = page.next_cursor
+
+    pages = follow()
+    assert [len(p) for p in pages] == [50, 50, 30] and [r for p in pages for r in p] == newest_first
+    needles = [r for r in newest_first if int(r[1:4]) % 10 == 0]
+    assert follow(q="NEEDLE") == [needles]  # prompt text, any case; another tenant's never
+    assert follow(q=made[7]) == [[made[7]]]  # a whole run id
+    assert follow(status="failed") == [[]]
+    monkeypatch.setattr(listing, "SEARCH_WINDOW", 40)  # each request examines 40 runs at most
+    windows = follow(q="needle")
+    assert len(windows) == 4 and [r for w in windows for r in w] == needles
+    first = listing.page(store, "pager", q="needle")
+    assert first.window_spent and first.scanned == 40
+
+
+def test_the_timeline_places_text_calls_tokens_and_control_events() -> None:
+    from orchestrator.console.timeline import build
+    from orchestrator.store import steer_message
+
+    call_1 = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    call_2 = {"id": "c2", "type": "function", "function": {"name": "deploy", "arguments": '{"to": "prod"}'}}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "do it"},
+                {"role": "assistant", "content": "adding", "tool_calls": [call_1]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                {"role": "system", "content": steer_message("Use X.")},
+                {"role": "assistant", "content": None, "tool_calls": [call_1, call_2]}]  # fmt: skip
+    record = {"call_id": "c1", "tool_name": "add", "inputs": {"a": 1}, "output": 2, "duration_ms": 3.0,
+              "success": True, "iteration": 1}  # fmt: skip
+    calls = {"1.0": record, "2.0": {**record, "iteration": 2}}
+    approvals = {"2.1": {"state": "pending", "call_id": "c2", "tool": "deploy", "iteration": 2}}
+    events = [{"id": "1-0", "type": "queued", "ts": 1},
+              {"id": "2-0", "type": "iteration", "iteration": 1, "tokens_used": 30, "cost_usd": 0.001,
+               "ts": 2},
+              {"id": "3-0", "type": "control", "action": "pause", "by": "console:acme", "ts": 3},
+              {"id": "4-0", "type": "iteration", "iteration": 2, "tokens_used": 70, "cost_usd": 0.003,
+               "ts": 4},
+              {"id": "5-0", "type": "approval", "iteration": 2, "call_id": "c2", "tool": "deploy",
+               "decision": "pending", "arguments": '{"to": "*[REDACTED]"}', "ts": 5},
+              {"id": "6-0", "type": "text", "iteration": 3, "text": "thinking", "ts": 6}]  # fmt: skip
+    state = {"status": "running", "iteration": "2", "tokens_used": "70", "cost_usd": "0.003",
+             "spec": json.dumps({"prompt": "do it", "model": "openai/m", "steering_files":
+                                 ["agents/reviewer/steering/style.md"]})}  # fmt: skip
+    run = build("r1", state, messages, calls, approvals, events)
+    one, two, three = run.turns
+    assert (run.agent, run.waiting, run.last_event_id) == ("reviewer", 1, "6-0")
+    assert (one.text, one.tokens, one.cost_usd) == ("adding", 30, 0.001)
+    assert [n.text for n in one.notes] == ["pause by console:acme"]  # in the turn it happened in
+    assert (
+        two.tokens == 40 and abs(two.cost_usd - 0.002) < 1e-9 and [g.text for g in two.guidance] == ["Use X."]
+    )
+    recorded, waiting = two.calls
+    assert (recorded.output, recorded.success, waiting.success, waiting.waiting) == ("2", True, None, True)
+    assert json.loads(waiting.inputs) == {"to": "*[REDACTED]"}  # what the approval event carries
+    assert three.pending and three.streamed == "thinking" and not run.ended
+    state.update(status="completed", iteration="2")
+    assert [t.iteration for t in build("r1", state, messages, calls, {}, events[:4]).turns] == [1, 2]
+
+
+def test_api_refuses_to_start_without_tokens_unless_insecure_local(monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from orchestrator.api import create_app
+    from orchestrator.cli import app as cli
+    from orchestrator.settings import Settings, get_settings
+
+    monkeypatch.setenv("TOOLOOP_API_TOKENS", "")
+    get_settings.cache_clear()
+    try:
+        refused = CliRunner().invoke(cli, ["api", "--port", "1"])
+        assert refused.exit_code == 2 and "--insecure-local" in refused.output
+        wide = CliRunner().invoke(cli, ["api", "--insecure-local", "--host", "0.0.0.0", "--port", "1"])
+        assert wide.exit_code == 2 and "loopback only" in wide.output
+    finally:
+        get_settings.cache_clear()
+    with TestClient(create_app(Settings(api_tokens=""), insecure_local=True)) as http:
+        page = http.get("/fleet")  # signed in as the local tenant, no token
+        assert page.status_code == 200 and "tenant <b>default</b>" in page.text
+        assert "samesite=strict" in page.headers["set-cookie"].lower()
