@@ -54,7 +54,6 @@ class Row:
     error: str | None
     prompt: str
     waiting: int  # calls waiting for approval
-    haystack: str = field(default="", repr=False)  # what a search looks in: id and whole prompt
 
 
 @dataclass
@@ -80,30 +79,57 @@ def page(store: RunStore, tenant: str, status: str = "", q: str = "", before: st
     q = q.strip()
     filtered = bool(status or q)
     cursor = parse_cursor(before)
-    out = Page()
-    if q and cursor is None and not run_id_error(q):
-        out.rows += [r for r in _rows(store, [q]) if r is not None and _owned(store, r, tenant)
-                     and _status_ok(r, status)]  # fmt: skip
+    out, shown = Page(), []
+    if q and cursor is None and not run_id_error(q):  # a whole run id: that run, first
+        exact = [r for r in _rows(store, [q]) if r is not None and _owned(store, r, tenant)]
+        shown += [r.run_id for r in exact if _status_ok(r.status, r.waiting, status)]
     while True:
-        want = BATCH if filtered else PAGE_SIZE + 1 - len(out.rows)  # one more: is there a next page?
+        want = BATCH if filtered else PAGE_SIZE + 1 - len(shown)  # one more: is there a next page?
         ids = store.run_ids_before(tenant, cursor, want)
-        for (score, run_id), row in zip(ids, _rows(store, [i for _, i in ids]), strict=True):
-            if len(out.rows) == PAGE_SIZE and cursor:  # one more exists: the next page starts here
+        keep = _matching(store, [i for _, i in ids], status, q) if filtered else {i for _, i in ids}
+        for score, run_id in ids:
+            if len(shown) == PAGE_SIZE and cursor:  # one more exists: the next page starts here
                 out.next_cursor = cursor_of(*cursor)
-                return out
+                break
             cursor = (score, run_id)
             out.scanned += 1
-            if row is not None and _matches(row, status, q) and not _listed(out, run_id):
-                out.rows.append(row)
+            if run_id in keep and run_id not in shown:
+                shown.append(run_id)
             if filtered and out.scanned >= SEARCH_WINDOW:
                 out.window_spent, out.next_cursor = True, cursor_of(*cursor)
-                return out
-        if len(ids) < want:
-            return out  # the index ends here
+                break
+        if out.next_cursor or len(ids) < want:  # a page full, the window spent, or the index's end
+            out.rows = [row for row in _rows(store, shown) if row is not None]  # one round trip
+            return out
 
 
-def _listed(out: Page, run_id: str) -> bool:
-    return any(r.run_id == run_id for r in out.rows)
+def _matching(store: RunStore, run_ids: list[str], status: str, q: str) -> set[str]:
+    """The runs that match, from the few fields that say so (one round trip): the status,
+    and for a search the stored spec, parsed only when the text occurs in it at all."""
+    fields = ("status", "approvals_pending", "spec") if q else ("status", "approvals_pending")
+    pipe = store.redis.pipeline(transaction=False)
+    for run_id in run_ids:
+        pipe.hmget(store.keys.run(run_id), fields)
+    needle, out = q.lower(), set()
+    for run_id, values in zip(run_ids, pipe.execute(), strict=True):
+        state, waiting = _text(values[0]), int(_text(values[1]) or 0)
+        if state is None or not _status_ok(state, waiting, status):
+            continue
+        if not needle or needle in run_id.lower() or _in_prompt(needle, _text(values[2]) or ""):
+            out.add(run_id)
+    return out
+
+
+def _in_prompt(needle: str, spec_json: str) -> bool:
+    """``needle`` (lower case) is in the stored spec's prompt. Most specs do not hold it
+    anywhere: those are not parsed (JSON escapes only quotes, backslashes and controls)."""
+    if needle.isprintable() and "\\" not in needle and needle not in spec_json.lower():
+        return False
+    return needle in str(_spec(spec_json).get("prompt", "")).lower()
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _owned(store: RunStore, row: Row, tenant: str) -> bool:
@@ -111,18 +137,20 @@ def _owned(store: RunStore, row: Row, tenant: str) -> bool:
     return owner is not None and (owner.decode() if isinstance(owner, bytes) else owner) == tenant
 
 
-def _status_ok(row: Row, status: str) -> bool:
+def _status_ok(state: str, waiting: int, status: str) -> bool:
     if status == "live":
-        return row.status in LIVE
+        return state in LIVE
     if status == "waiting":
-        return row.waiting > 0 and row.status in LIVE
-    return not status or row.status == status
+        return waiting > 0 and state in LIVE
+    return not status or state == status
 
 
-def _matches(row: Row, status: str, q: str) -> bool:
-    if not _status_ok(row, status):
-        return False
-    return not q or q.lower() in row.haystack
+def _spec(raw: str) -> dict[str, Any]:
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        return {}
+    return spec if isinstance(spec, dict) else {}
 
 
 def _rows(store: RunStore, run_ids: list[str]) -> list[Row | None]:
@@ -137,11 +165,7 @@ def _row(run_id: str, values: list[Any]) -> Row | None:
     v = dict(zip(FIELDS, (x.decode() if isinstance(x, bytes) else x for x in values), strict=True))
     if v["status"] is None:
         return None
-    try:
-        spec = json.loads(v["spec"] or "{}")
-    except ValueError:
-        spec = {}
-    spec = spec if isinstance(spec, dict) else {}
+    spec = _spec(v["spec"] or "{}")
     return Row(
         run_id=run_id, status=v["status"], exit=v["exit"] or None, model=str(spec.get("model", "?")),
         agent=agent_of(spec), iteration=int(v["iteration"] or 0), tokens_used=int(v["tokens_used"] or 0),
@@ -149,5 +173,4 @@ def _row(run_id: str, values: list[Any]) -> Row | None:
         error=cut_text(v["error"], 300) if v["error"] else None,
         prompt=cut_text(scrub_text(str(spec.get("prompt", ""))), PROMPT_SHOWN),
         waiting=int(v["approvals_pending"] or 0),
-        haystack=f"{run_id}\n{spec.get('prompt', '')}".lower(),
     )  # fmt: skip

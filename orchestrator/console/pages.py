@@ -134,11 +134,11 @@ def run_live(
 ) -> Response:
     """The run's header and its turns from ``since`` on: what the page's script swaps in
     when an event says something changed."""
-    return render(request, "_live.html", {"run": _run(console, viewer, run_id), "since": since})
+    return render(request, "_live.html", {"run": _run(console, viewer, run_id, since), "since": since})
 
 
-def _run(console: Console, viewer: Viewer, run_id: str) -> timeline.RunView:
-    view = timeline.load(console.api.client.store, owned(console, viewer, run_id))
+def _run(console: Console, viewer: Viewer, run_id: str, since: int = 0) -> timeline.RunView:
+    view = timeline.load(console.api.client.store, owned(console, viewer, run_id), since)
     if view is None:  # expired since the ownership check
         raise RunNotFound(run_id)
     return view

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 ENDED = ("completed", "failed", "aborted")
 PROMPT_SHOWN = 4000  # characters of the prompt in the run header
+PRETTY_FROM = 100  # characters of JSON past which a value is shown indented
 OPERATOR_STEER = "Guidance from your operator."  # orchestrator/store.py steer_message's first words
 
 
@@ -113,8 +114,9 @@ class RunView:
 
 
 # -- reading -------------------------------------------------------------------------------
-def load(store: RunStore, run_id: str) -> RunView | None:
-    """The run's page data, from four reads in one round trip and its event stream."""
+def load(store: RunStore, run_id: str, since: int = 0) -> RunView | None:
+    """The run's page data, from four reads in one round trip and its event stream; the
+    calls of turns before ``since`` are left out (a live fragment shows the last turns)."""
     keys = store.keys
     pipe = store.redis.pipeline(transaction=False)
     pipe.hgetall(keys.run(run_id))
@@ -126,9 +128,9 @@ def load(store: RunStore, run_id: str) -> RunView | None:
         return None
     state = {_s(k): _s(v) for k, v in raw_state.items()}
     messages = [json.loads(m) for m in raw_messages]
-    calls = {_s(k): json.loads(v) for k, v in raw_calls.items()}
+    calls = {_s(k): json.loads(v) for k, v in raw_calls.items() if parse_call_key(_s(k))[0] >= since}
     approvals = {_s(k): json.loads(v) for k, v in raw_approvals.items() if not _s(k).startswith("id:")}
-    return build(run_id, state, messages, calls, approvals, feed.read(store, run_id))
+    return build(run_id, state, messages, calls, approvals, feed.read(store, run_id), since)
 
 
 def _s(value: Any) -> str:
@@ -138,7 +140,8 @@ def _s(value: Any) -> str:
 # -- building (pure) -------------------------------------------------------------------------
 def build(run_id: str, state: dict[str, str], messages: list[dict[str, Any]],
           calls: dict[str, dict[str, Any]], approvals: dict[str, dict[str, Any]],
-          events: list[dict[str, Any]]) -> RunView:  # fmt: skip
+          events: list[dict[str, Any]], since: int = 0) -> RunView:  # fmt: skip
+    """``since``: ``calls`` holds the records of turns from ``since`` on only."""
     spec = _spec(state.get("spec", ""))
     iteration = int(state.get("iteration") or 0)
     turns = {n: TurnView(n) for n in range(1, iteration + 1)}
@@ -147,7 +150,7 @@ def build(run_id: str, state: dict[str, str], messages: list[dict[str, Any]],
         turns[n].text = _text(reply.get("content"))
     for n, notes in guidance.items():
         _turn(turns, n).guidance += notes
-    _place_calls(turns, replies, calls, approvals)
+    _place_calls(turns, {n: r for n, r in replies.items() if n >= since}, calls, approvals)
     start_notes = _place_events(turns, events, approvals)
     status = state.get("status", "queued")
     if status not in ENDED:
@@ -357,7 +360,10 @@ def _shown_output(output: Any) -> str:
 
 
 def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False)
+    """JSON on one line when short, indented when long (the indenting encoder is pure Python:
+    a 500-turn page pays for it only where it helps)."""
+    compact = json.dumps(value, ensure_ascii=False)
+    return compact if len(compact) <= PRETTY_FROM else json.dumps(value, indent=2, ensure_ascii=False)
 
 
 def _pretty_json(raw: str | None) -> str | None:
