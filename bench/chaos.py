@@ -63,6 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, publish, scripted_model, scripted_spec
+from orchestrator.events import Event
 
 TOKENS = 30
 # from tests/tools.py: a non-idempotent effect (a line in the run's folder) and an idempotent read
@@ -289,18 +290,18 @@ def run_folder(run_id: str) -> Path:
     return Path(os.environ["TOOLOOP_SANDBOX_ROOT"], run_id)
 
 
-def recovery_times(events: list[dict]) -> list[float]:
+def recovery_times(events: list[Event]) -> list[float]:
     """For each step the sweeper re-dispatched: the run's stall, from its last progress
     before the loss (no later than the kill) to its first progress after the re-dispatch.
     An upper bound on recovery: it also counts the work the lost step had done."""
     out = []
     for i, event in enumerate(events):
-        if event["type"] != "recovery":
+        if event.type != "recovery":
             continue
-        before = [int(e["ts"]) for e in events[:i] if e["type"] != "recovery"]
-        after = [int(e["ts"]) for e in events[i + 1 :] if e["type"] != "recovery"]
+        before = [e.ts for e in events[:i] if e.type != "recovery"]
+        after = [e.ts for e in events[i + 1 :] if e.type != "recovery"]
         if before and after:
-            out.append((after[0] - before[-1]) / 1000)
+            out.append((after[0] - before[-1]).total_seconds())
     return out
 
 

@@ -41,7 +41,7 @@ def main() -> None:
     client = Client()
     handles = [client.submit(spec) for _ in range(args.runs)]
     for event in handles[0].events(timeout=120):
-        print("event:", event["type"], {k: v for k, v in event.items() if k not in ("id", "type", "ts")})
+        print("event:", event.type, event.model_dump(exclude={"id", "type", "ts"}, exclude_none=True))
     for handle in handles:
         result = handle.wait(timeout=300)
         print(handle.run_id, result.status.value, result.exit, repr(result.content), result.tokens_used)

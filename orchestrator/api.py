@@ -17,7 +17,6 @@ follower cannot slow a run.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +33,8 @@ from orchestrator import console, metrics, telemetry
 from orchestrator.bounds import API_BODY_MAX_BYTES, REASON_MAX_CHARS, STEER_MAX_CHARS
 from orchestrator.client import Client
 from orchestrator.connections import connect_async
+from orchestrator.events import Event
+from orchestrator.events import parse as parse_event
 from orchestrator.models import RunResult, Status
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tokens import match_token as _match_token
@@ -215,7 +216,8 @@ async def run_events(
 ) -> StreamingResponse:
     """Progress events from the start (or after `Last-Event-ID`), live until the outcome.
 
-    Each event is `id: <stream id>`, `event: <type>` and `data: <JSON of its fields>`.
+    Each event is `id: <stream id>`, `event: <type>` and `data: <the event's typed JSON>`
+    (numbers as numbers, booleans as booleans, `ts` in ISO 8601).
     A finished run replays its events and the stream ends.
     """
     after = last_event_id or "0"
@@ -239,10 +241,10 @@ async def follow(api: ApiState, request: Request, run_id: str, after: str) -> As
                 entries = await _read(r, keys.events(run_id), after, None)  # ended just now?
                 if not entries:
                     return
-            for event_id, fields in entries:
-                after = event_id
-                yield sse_frame(event_id, fields)
-                if fields.get("type") == "outcome":
+            for event in entries:
+                after = event.id
+                yield sse_frame(event)
+                if event.type == "outcome":
                     return
             idle_s = 0.0 if entries else idle_s + BLOCK_MS / 1000
             if idle_s >= HEARTBEAT_S:
@@ -252,11 +254,9 @@ async def follow(api: ApiState, request: Request, run_id: str, after: str) -> As
         api.open_streams -= 1
 
 
-async def _read(
-    r: aioredis.Redis, key: str, after: str, block_ms: int | None
-) -> list[tuple[str, dict[str, str]]]:
+async def _read(r: aioredis.Redis, key: str, after: str, block_ms: int | None) -> list[Event]:
     resp = await r.xread({key: after}, count=100, block=block_ms)
-    return list(resp[0][1]) if resp else []
+    return [parse_event(event_id, fields) for event_id, fields in resp[0][1]] if resp else []
 
 
 async def _over(r: aioredis.Redis, run_key: str) -> bool:
@@ -265,9 +265,10 @@ async def _over(r: aioredis.Redis, run_key: str) -> bool:
     return status is None or Status(status).ended
 
 
-def sse_frame(event_id: str, fields: dict[str, str]) -> str:
-    data = json.dumps({"id": event_id, **fields}, separators=(",", ":"))
-    return f"id: {event_id}\nevent: {fields.get('type', 'message')}\ndata: {data}\n\n"
+def sse_frame(event: Event) -> str:
+    """One server-sent event: the typed event's JSON (numbers as numbers, times in ISO 8601)."""
+    # model_dump_json is the JSON of model_dump(mode="json"), compact
+    return f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
 # -- control ---------------------------------------------------------------------------

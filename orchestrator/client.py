@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import telemetry
+from orchestrator.events import Event
 from orchestrator.models import RunResult, RunSpec, Status
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import Recovery, RunStore
@@ -124,10 +125,10 @@ class RunHandle:
             for _ in self._store.follow_events(self.run_id, timeout=_left(deadline)):
                 pass
 
-    def events(self, timeout: float | None = None) -> Iterator[dict[str, str]]:
-        """Progress events from the start, live, until the run's outcome."""
-        for event_id, event in self._store.follow_events(self.run_id, timeout=timeout):
-            yield {"id": event_id, **event}
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Progress events from the start, live, until the run's outcome: typed models,
+        one class per ``type`` (``orchestrator.events``)."""
+        yield from self._store.follow_events(self.run_id, timeout=timeout)
 
     def pause(self, by: str = "operator") -> str:
         return self._store.pause(self.run_id, by)

@@ -21,6 +21,8 @@ from redis.cluster import RedisCluster
 from orchestrator import scripts
 from orchestrator.bounds import STEER_MAX_CHARS
 from orchestrator.connections import connect
+from orchestrator.events import Event
+from orchestrator.events import parse as parse_event
 from orchestrator.keys import SHARDS, STEER_MAX, WORKER_TTL_S, Keys, call_key, parse_call_key, shard_of
 from orchestrator.models import (
     LIMIT_EXITS,
@@ -521,16 +523,15 @@ class RunStore:
 
     def read_events(
         self, run_id: str, after: str = "0", block_ms: int | None = None, count: int = 100
-    ) -> list[tuple[str, dict[str, str]]]:
+    ) -> list[Event]:
+        """The run's events after stream id ``after``, typed (``orchestrator.events``)."""
         resp = self.redis.xread({self.keys.events(run_id): after}, count=count, block=block_ms)
         if not resp:
             return []
         _, entries = resp[0]
-        return [(_s(i), {_s(k): _s(v) for k, v in fields.items()}) for i, fields in entries]
+        return [parse_event(_s(i), {_s(k): _s(v) for k, v in fields.items()}) for i, fields in entries]
 
-    def follow_events(
-        self, run_id: str, timeout: float | None = None
-    ) -> Iterator[tuple[str, dict[str, str]]]:
+    def follow_events(self, run_id: str, timeout: float | None = None) -> Iterator[Event]:
         """Yield the run's events from the start, live, until its outcome (or timeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         after = "0"
@@ -539,10 +540,10 @@ class RunStore:
             if remaining <= 0:
                 return
             block = int(min(remaining, 10.0) * 1000) or 1
-            for event_id, event in self.read_events(run_id, after, block_ms=block):
-                after = event_id
-                yield event_id, event
-                if event.get("type") == "outcome":
+            for event in self.read_events(run_id, after, block_ms=block):
+                after = event.id
+                yield event
+                if event.type == "outcome":
                     return
             if after == "0" and self.redis.exists(self.keys.run(run_id)) == 0:
                 return

@@ -12,10 +12,13 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from pydantic import BaseModel, Field
 
+from orchestrator import events as ev
+from orchestrator.events import Event
 from orchestrator.models import RunResult, Status
 
 STATUS_STYLE = {"queued": "dim", "running": "cyan", "paused": "yellow",
@@ -83,33 +86,43 @@ def _rich_table(runs: list[RunSummary]) -> None:
 
 
 # -- watch -----------------------------------------------------------------------------
-def event_line(event: dict[str, str]) -> str:
+def event_line(event: Event) -> str:
     """One plain line per event: metadata only, stable for scripts."""
-    kind = event.get("type", "?")
-    if kind == "iteration":
-        return (f"turn {event['iteration']} tool_calls={event['tool_calls']} "
-                f"tokens={event['tokens_used']}")  # fmt: skip
-    if kind == "tool_call":
-        ok = "true" if event.get("success") == "1" else "false"
-        return f"turn {event['iteration']} tool {event['tool']} success={ok}"
-    if kind == "outcome":
-        return f"outcome exit={event['exit']} status={event['status']} turn={event['iteration']}"
-    if kind == "text":  # streamed model text, JSON-quoted: its newlines stay on one line
-        return f"turn {event['iteration']} text {json.dumps(event['text'])}"
-    if kind == "approval":
-        return approval_line(event)
-    skip = {"type", "ts", "id"}
-    details = " ".join(f"{k}={v}" for k, v in event.items() if k not in skip)
-    return f"{kind} {details}".strip()
+    match event:
+        case ev.Iteration():
+            return f"turn {event.iteration} tool_calls={event.tool_calls} tokens={event.tokens_used}"
+        case ev.ToolCall():
+            return f"turn {event.iteration} tool {event.tool} success={_plain(event.success)}"
+        case ev.Outcome():
+            return f"outcome exit={event.exit} status={event.status} turn={event.iteration}"
+        case ev.Text():  # streamed model text, JSON-quoted: its newlines stay on one line
+            return f"turn {event.iteration} text {json.dumps(event.text)}"
+        case ev.Approval():
+            return approval_line(event)
+    details = " ".join(f"{k}={_plain(v)}" for k, v in _fields(event).items())
+    return f"{event.type} {details}".strip()
 
 
-def approval_line(event: dict[str, str]) -> str:
+def _fields(event: Event) -> dict[str, Any]:
+    """The event's own fields, those it has (None: not set), a newer writer's extras last."""
+    return {k: v for k, v in event if k not in ("id", "type", "ts") and v is not None}
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="milliseconds")
+    return str(value)
+
+
+def approval_line(event: ev.Approval) -> str:
     """A call waiting for a person, or the decision taken on it."""
-    call, tool = event.get("call_id", "?"), event.get("tool", "?")
-    if event.get("decision") == "pending":
-        return (f"approval pending call={call} tool={tool} arguments={event.get('arguments', '')} "
+    call, tool = event.call_id, event.tool
+    if event.decision == "pending":
+        return (f"approval pending call={call} tool={tool} arguments={event.arguments or ''} "
                 f"(tooloop approve|deny RUN {call})")  # fmt: skip
-    return f"approval {event.get('decision')} call={call} tool={tool} by={event.get('by', '')}"
+    return f"approval {event.decision} call={call} tool={tool} by={event.by or ''}"
 
 
 def watch_run(handle: Any) -> RunResult | None:
@@ -129,45 +142,45 @@ class WatchState:
 
     run_id: str
     status: str = "queued"
-    turn: str = "0"
-    tokens: str = "0"
+    turn: int = 0
+    tokens: int = 0
     calls: int = 0
     failed: int = 0
-    started_ms: int | None = None  # the `queued` event: the run's creation
-    ended_ms: int | None = None  # the `outcome` event
+    started: datetime | None = None  # the `queued` event: the run's creation
+    ended: datetime | None = None  # the `outcome` event
     lines: list[str] = field(default_factory=list)
     text: str = ""  # the model's streamed text, this turn
-    turn_streaming: str = ""
+    turn_streaming: int | None = None
     waiting: int = 0  # calls waiting for a person's decision
 
-    def apply(self, event: dict[str, str]) -> None:
-        kind, ts = event.get("type"), int(event.get("ts") or 0) or None
-        if kind == "text":  # shown as it grows, not as event lines
-            same_turn = event["iteration"] == self.turn_streaming
-            self.text = self.text + event["text"] if same_turn else event["text"]
-            self.turn_streaming = event["iteration"]
+    def apply(self, event: Event) -> None:
+        if isinstance(event, ev.Text):  # shown as it grows, not as event lines
+            same_turn = event.iteration == self.turn_streaming
+            self.text = self.text + event.text if same_turn else event.text
+            self.turn_streaming = event.iteration
             return
         self.lines.append(event_line(event))
-        if kind == "queued":
-            self.started_ms = ts
-        elif kind == "iteration":
-            self.turn, self.tokens, self.status = event["iteration"], event["tokens_used"], "running"
-        elif kind == "tool_call":
-            self.calls += 1
-            self.failed += event.get("success") != "1"
-        elif kind == "control":
-            self.status = _CONTROL_STATUS.get(event.get("action", ""), self.status)
-        elif kind == "approval":
-            self.waiting += 1 if event.get("decision") == "pending" else -1
-            self.status = f"waiting for {self.waiting} approval(s)" if self.waiting else "running"
-        elif kind == "outcome":
-            self.status, self.ended_ms = f"{event['status']} ({event['exit']})", ts
+        match event:
+            case ev.Queued():
+                self.started = event.ts
+            case ev.Iteration():
+                self.turn, self.tokens, self.status = event.iteration, event.tokens_used, "running"
+            case ev.ToolCall():
+                self.calls += 1
+                self.failed += not event.success
+            case ev.Control():
+                self.status = _CONTROL_STATUS.get(event.action, self.status)
+            case ev.Approval():
+                self.waiting += 1 if event.decision == "pending" else -1
+                self.status = f"waiting for {self.waiting} approval(s)" if self.waiting else "running"
+            case ev.Outcome():
+                self.status, self.ended = f"{event.status} ({event.exit})", event.ts
 
     def elapsed_s(self) -> float:
-        if self.started_ms is None:
+        if self.started is None:
             return 0.0
-        end = self.ended_ms or time.time() * 1000
-        return max(0.0, (end - self.started_ms) / 1000)
+        end = self.ended or datetime.now(UTC)
+        return max(0.0, (end - self.started).total_seconds())
 
     def __rich__(self) -> Any:
         # Called on every refresh, so `elapsed` ticks between events.
@@ -176,9 +189,9 @@ class WatchState:
         table = Table(title=f"run {self.run_id}", show_header=False, min_width=60)
         style = STATUS_STYLE.get(self.status.split(" ")[0], "")
         table.add_row("status", f"[{style}]{self.status}[/]" if style else self.status)
-        table.add_row("turn", self.turn)
+        table.add_row("turn", str(self.turn))
         table.add_row("tool calls", f"{self.calls} ({self.failed} failed)")
-        table.add_row("tokens", self.tokens)
+        table.add_row("tokens", str(self.tokens))
         table.add_row("elapsed", f"{self.elapsed_s():.1f}s")
         table.add_row("events", "\n".join(self.lines[-10:]))
         if self.text:

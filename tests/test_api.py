@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from orchestrator import Status
+from orchestrator.events import ToolCall, validate
 from tests.conftest import ROOT, free_port
 from tests.helpers import gate as hold
 from tests.helpers import wait_for
@@ -57,7 +58,7 @@ def http(api_server) -> Iterator[httpx.Client]:
         yield c
 
 
-def sse_events(response: httpx.Response) -> Iterator[dict[str, str]]:
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     """Parse a text/event-stream: one dict per event (its data), with `_event` and `_id`."""
     frame: dict[str, str] = {}
     for line in response.iter_lines():
@@ -251,8 +252,11 @@ def test_events_of_a_finished_run_replay_and_end(http, client, worker, spec) -> 
         events = list(sse_events(response))  # returns: the stream ends after the outcome
     assert [e["type"] for e in events] == ["queued", "iteration", "tool_call", "iteration", "outcome"]
     assert all(e["_event"] == e["type"] and e["_id"] == e["id"] for e in events)
-    assert events[2]["tool"] == "add" and events[2]["success"] == "1"
+    assert events[2]["tool"] == "add" and events[2]["success"] is True and events[1]["iteration"] == 1
     assert events[-1]["exit"] == "default" and events[-1]["status"] == "completed"
+    # the same typed JSON as the producer's models: it reads back into equal events
+    typed = [validate({k: v for k, v in e.items() if not k.startswith("_")}) for e in events]
+    assert typed == list(handle.events()) and isinstance(typed[2], ToolCall)
     assert "arguments" not in json.dumps(events) and '"a": 1' not in json.dumps(events)
     # a reconnecting follower sends Last-Event-ID and gets only what followed it
     with http.stream(
@@ -319,8 +323,8 @@ def test_pause_then_resume_over_http(http, client, worker, spec, model_server, h
     assert reply.status_code == 200 and reply.json()["result"] == "ok"
     result = handle.wait(timeout=30)
     assert (result.status, result.content, result.iterations) == (Status.completed, "resumed", 2)
-    controls = [e for e in handle.events() if e["type"] == "control"]
-    assert [(e["action"], e["by"]) for e in controls] == [("pause", "api:acme"), ("resume", "api:acme")]
+    controls = [e for e in handle.events() if e.type == "control"]
+    assert [(e.action, e.by) for e in controls] == [("pause", "api:acme"), ("resume", "api:acme")]
     # directives on an ended run are refused, not silently accepted
     assert http.post(f"/api/runs/{handle.run_id}/pause").status_code == 409
     assert http.post(f"/api/runs/{handle.run_id}/resume").status_code == 409

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from orchestrator.events import Approval, validate
 from orchestrator.models import Status
 from tests.helpers import call, tools, wait_for
 
@@ -31,8 +32,8 @@ def _effects(run_id: str) -> list[str]:
     return open(path).read().splitlines() if os.path.exists(path) else []
 
 
-def _approval_events(handle) -> list[dict]:
-    return [e for e in handle.events(timeout=1) if e["type"] == "approval"]
+def _approval_events(handle) -> list[Approval]:
+    return [e for e in handle.events(timeout=1) if isinstance(e, Approval)]
 
 
 def test_waits_without_a_slot_then_runs_after_approve_across_a_worker_restart(deployment, spec):
@@ -53,11 +54,11 @@ def test_waits_without_a_slot_then_runs_after_approve_across_a_worker_restart(de
     assert _effects(gated.run_id) == [] and gated.status() == Status.running
     # the event says what waits, scrubbed like any recorded argument
     [event] = _approval_events(gated)
-    assert event["decision"] == "pending" and json.loads(event["arguments"]) == {"text": "once"}
+    assert event.decision == "pending" and json.loads(event.arguments) == {"text": "once"}
     # no decision within approval_timeout_s: the sweeper's re-send denies the call
     [timed_out] = late.wait(timeout=60).tool_calls
     assert not timed_out.success and timed_out.error == "Denied: approval timed out after 2s"
-    assert _effects(late.run_id) == [] and _approval_events(late)[-1]["by"] == "timeout"
+    assert _effects(late.run_id) == [] and _approval_events(late)[-1].by == "timeout"
     # a worker restart in between: the decision is in Redis, not in a worker
     d.stop()
     d.workers.clear()
@@ -85,7 +86,7 @@ def test_denied_call_reaches_the_model_as_a_failed_record(client, worker, spec, 
               {"content": "fine"}], tools=["guarded_append", "add"])  # fmt: skip
     handle = client.submit(s)
     _pending(handle)
-    shown = json.loads(_approval_events(handle)[0]["arguments"])["text"]
+    shown = json.loads(_approval_events(handle)[0].arguments)["text"]
     assert shown.startswith("password=") and "hunter2hunter2" not in shown  # scrubbed for the person
     assert handle.deny("call_no", reason="not on a Friday", by="tester") == "ok"
     assert handle.approve("call_no") == "already" and handle.deny("call_no") == "already"  # fenced
@@ -96,7 +97,7 @@ def test_denied_call_reaches_the_model_as_a_failed_record(client, worker, spec, 
     assert _effects(handle.run_id) == []
     seen = model_server.calls(s["model"])[1]["messages"]
     assert {"role": "tool", "tool_call_id": "call_no", "content": "Error: Denied: not on a Friday"} in seen
-    decisions = [(e["decision"], e.get("by"), e.get("reason")) for e in _approval_events(handle)]
+    decisions = [(e.decision, e.by, e.reason) for e in _approval_events(handle)]
     assert decisions == [("pending", None, None), ("denied", "tester", "not on a Friday")]
 
 
@@ -111,7 +112,7 @@ def test_decisions_wait_for_a_paused_run(client, worker, spec):
     denied = _cli({}, "deny", handle.run_id, "c_no", "--reason", "too risky")
     assert denied.returncode == 0, denied.stderr
     # the denial is recorded at once; the approved call waits for the resume
-    wait_for(lambda: any(e["type"] == "tool_call" for e in handle.events(timeout=0.5)), 30)
+    wait_for(lambda: any(e.type == "tool_call" for e in handle.events(timeout=0.5)), 30)
     time.sleep(1)
     assert _effects(handle.run_id) == [] and handle.status() == Status.paused
     assert handle.resume() == "ok"
@@ -167,16 +168,16 @@ def test_the_live_view_counts_calls_waiting_for_a_person():
     from orchestrator.views import WatchState
 
     view = WatchState("r1")
-    pending = {"type": "approval", "ts": "1", "decision": "pending", "tool": "deploy", "arguments": "{}"}
-    view.apply({**pending, "call_id": "a"})
-    view.apply({**pending, "call_id": "b"})
+    common = {"id": "1-0", "type": "approval", "ts": "1", "iteration": "1", "tool": "deploy"}
+    view.apply(validate({**common, "decision": "pending", "arguments": "{}", "call_id": "a"}))
+    view.apply(validate({**common, "decision": "pending", "arguments": "{}", "call_id": "b"}))
     assert view.status == "waiting for 2 approval(s)"
-    view.apply({"type": "approval", "ts": "2", "decision": "denied", "call_id": "a", "by": "timeout"})
+    view.apply(validate({**common, "decision": "denied", "call_id": "a", "by": "timeout"}))
     assert view.status == "waiting for 1 approval(s)"
-    view.apply({"type": "approval", "ts": "3", "decision": "approved", "call_id": "b", "by": "cli:me"})
+    view.apply(validate({**common, "decision": "approved", "call_id": "b", "by": "cli:me"}))
     assert view.status == "running"
     assert view.lines[0] == "approval pending call=a tool=deploy arguments={} (tooloop approve|deny RUN a)"
-    assert view.lines[2] == "approval denied call=a tool=? by=timeout"
+    assert view.lines[2] == "approval denied call=a tool=deploy by=timeout"
 
 
 # -- issue 11, item 14: deadlines come from Redis's clock, not the caller's -------------

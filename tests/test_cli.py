@@ -210,7 +210,7 @@ def test_control_commands_change_a_live_run(client, worker, spec, model_server, 
     assert (result.status, result.content) == (Status.completed, "steered")
     second = model_server.calls(s["model"])[1]["messages"]
     assert any(m["role"] == "system" and "Prefer small numbers." in m["content"] for m in second)
-    controls = [(e["action"], e.get("by", "")) for e in handle.events() if e["type"] == "control"]
+    controls = [(e.action, e.by or "") for e in handle.events() if e.type == "control"]
     assert [a for a, by in controls if by.startswith("cli:")] == ["pause", "steer", "resume"]
     assert tooloop("pause", handle.run_id).returncode == 1  # already ended
 

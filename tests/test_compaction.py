@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from orchestrator import RunSpec, Status
+from orchestrator.events import Compaction
 from tests.helpers import gate, redis_values, wait_for
 from worker import compaction, llm
 
@@ -97,8 +98,8 @@ def counter(goal: int, pad: int = 0):
     return step
 
 
-def compactions(store, run_id: str) -> list[dict[str, str]]:
-    return [e for _, e in store.read_events(run_id, "0", count=10_000) if e["type"] == "compaction"]
+def compactions(store, run_id: str) -> list[Compaction]:
+    return [e for e in store.read_events(run_id, "0", count=10_000) if isinstance(e, Compaction)]
 
 
 def test_summary_call_made_and_pairs_intact(client, worker, spec, model_server, store):
@@ -113,8 +114,8 @@ def test_summary_call_made_and_pairs_intact(client, worker, spec, model_server, 
     source = summaries[0]["messages"][1]["content"]
     assert len(source) <= compaction.SOURCE_MAX_CHARS and "-> count(" in source
     [event] = compactions(store, run.run_id)
-    assert (event["reason"], event["fallback"], int(event["before"])) == ("threshold", "0", 52)
-    assert int(event["after"]) == 23  # system, task, summary, the 20 most recent
+    assert (event.reason, event.fallback, event.before) == ("threshold", False, 52)
+    assert event.after == 23  # system, task, summary, the 20 most recent
     turns = model_server.turn_requests(s["model"])
     after = [r for r in turns if any("SUMMARY-OF-EARLY" in str(m.get("content")) for m in r["messages"])]
     assert after and all(pairs_intact(r["messages"][2:]) for r in turns)
@@ -130,7 +131,7 @@ def test_failed_summary_falls_back_to_a_cut_transcript(client, worker, spec, mod
     result = run.wait(timeout=120)
     assert result.status == Status.completed and result.tokens_compaction == 0
     [event] = compactions(store, run.run_id)
-    assert event["fallback"] == "1"
+    assert event.fallback is True
     summary = next(m for m in store.messages(run.run_id) if str(m.get("content")).startswith("[Summary"))
     assert "assistant:" in summary["content"] and "tool:" in summary["content"]
     assert len(summary["content"]) <= compaction.SUMMARY_MAX_CHARS + 100
@@ -152,7 +153,7 @@ def test_context_window_exceeded_trims_and_retries_once(client, worker, spec, mo
     result = run.wait(timeout=120)
     assert (result.status, result.content) == (Status.completed, "fits now")
     [event] = compactions(store, run.run_id)
-    assert event["reason"] == "context_window"
+    assert event.reason == "context_window"
     refused, retried = model_server.turn_requests(s["model"])[-2:]
     assert len(retried["messages"]) < len(refused["messages"]) and pairs_intact(retried["messages"][2:])
 

@@ -132,12 +132,12 @@ def test_events_are_ordered_metadata(client, worker, spec):
     s = spec([tools(call("add", {"a": 31337, "b": 1})), {"content": "forty-two"}], tools=["add"])
     handle = client.submit(s)
     events = list(handle.events(timeout=20))
-    assert [e["type"] for e in events] == ["queued", "iteration", "tool_call", "iteration", "outcome"]
-    assert events[1]["tool_calls"] == "1" and events[2]["tool"] == "add" and events[2]["success"] == "1"
-    assert events[4]["exit"] == "default" and events[4]["status"] == "completed"
-    assert int(events[3]["tokens_used"]) == 60
-    flat = " ".join(f"{k}={v}" for e in events for k, v in e.items() if k not in ("id", "ts"))
+    assert [e.type for e in events] == ["queued", "iteration", "tool_call", "iteration", "outcome"]
+    assert events[1].tool_calls == 1 and events[2].tool == "add" and events[2].success is True
+    assert events[4].exit == "default" and events[4].status == "completed"
+    assert events[3].tokens_used == 60
+    flat = " ".join(f"{k}={v}" for e in events for k, v in e if k not in ("id", "ts"))
     for secret in ("31337", "31338", "forty-two", "do the task"):
         assert secret not in flat
     # a finished run replays
-    assert [e["type"] for e in handle.events(timeout=5)][-1] == "outcome"
+    assert [e.type for e in handle.events(timeout=5)][-1] == "outcome"

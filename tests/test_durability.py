@@ -102,8 +102,8 @@ def test_lost_message_is_re_enqueued(deployment, spec, model_server):
     d.start_worker("-c", "2")
     result = handle.wait(timeout=40)
     assert result.content == "four" and len(model_server.calls(s["model"])) == 2
-    recovery = [e for e in handle.events(timeout=5) if e["type"] == "recovery"]
-    assert [(e["step"], e["iteration"]) for e in recovery] == [("turn", "1")]
+    recovery = [e for e in handle.events(timeout=5) if e.type == "recovery"]
+    assert [(e.step, e.iteration) for e in recovery] == [("turn", 1)]
 
 
 def test_repeated_kills_during_a_long_run(deployment, spec, model_server):

@@ -364,7 +364,7 @@ def test_one_sweep_recovers_thousands_of_lost_runs(deployment, spec):
     recovered = 0
     for run_id in ids:
         events = d.store.read_events(run_id, count=10)
-        recovered += any(e.get("type") == "recovery" for _, e in events)
+        recovered += any(e.type == "recovery" for e in events)
     assert recovered == len(ids)
 
 

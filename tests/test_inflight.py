@@ -125,7 +125,7 @@ def test_warm_shutdown_lets_turns_in_flight_finish(deployment, spec, model_serve
     results = [h.wait(timeout=60) for h in handles]
     assert_completed_once(results, turns=2)
     assert len(model_server.calls(s["model"])) == 2 * runs  # no turn asked the model twice
-    assert not any(e["type"] == "recovery" for h in handles for e in h.events(timeout=5))
+    assert not any(e.type == "recovery" for h in handles for e in h.events(timeout=5))
 
 
 def test_warm_shutdown_hands_back_turns_that_outlast_it(deployment, spec, model_server, holds):

@@ -110,7 +110,7 @@ def test_a_lost_turn_is_recovered_and_counted(deployment, spec) -> None:
     assert handle.wait(timeout=60).content == "recovered"
     # each re-enqueue is counted, as the run's events record them (the sweeper re-sends the
     # turn every lease until a turn pool, still importing litellm, claims it)
-    recoveries = [e for e in handle.events() if e["type"] == "recovery" and e["step"] == "turn"]
+    recoveries = [e for e in handle.events() if e.type == "recovery" and e.step == "turn"]
     assert recoveries
     wait_for(lambda: value(scrape(port), "tooloop_recoveries_total", step="turn") == len(recoveries))
 

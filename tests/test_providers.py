@@ -153,7 +153,7 @@ def test_judge_tokens_count_apart_and_in_total(client, worker, spec, store, mode
     handle = None
 
     def after_judged(request: dict) -> dict:  # the final turn waits for the judgement
-        wait_for(lambda: [e for _, e in store.read_events(handle.run_id, "0") if e["type"] == "supervisor"])
+        wait_for(lambda: [e for e in store.read_events(handle.run_id, "0") if e.type == "supervisor"])
         return {"content": "done"}
 
     s = spec([tools(call("add", {"a": 1, "b": 2})), after_judged], tools=["add"],
@@ -180,9 +180,9 @@ def test_rate_limit_shared_by_two_worker_processes(deployment, spec, model_serve
     assert len(stamps) == 6 and stamps[-1] - stamps[0] >= 8.5, stamps
     assert min(later - first for first, later in zip(stamps, stamps[2:], strict=False)) >= 2.5, stamps
     # turns that had to wait went back to the queue with a countdown (no slot held)
-    events = [e for h in handles for _, e in d.store.read_events(h.run_id, "0")]
-    deferred = [e for e in events if e["type"] == "rate_limited"]
-    assert len(deferred) >= 3 and all(int(e["wait_ms"]) > 1000 for e in deferred)
+    events = [e for h in handles for e in d.store.read_events(h.run_id, "0")]
+    deferred = [e for e in events if e.type == "rate_limited"]
+    assert len(deferred) >= 3 and all(e.wait_ms > 1000 for e in deferred)
     for worker in (first, second):  # both processes ran turns
         assert "tooloop.turn[" in worker.tail(200_000), worker.name
 

@@ -59,7 +59,7 @@ def test_a_message_held_by_a_lost_consumer_comes_back(deployment, amqp_url, spec
     d.start_worker("-c", "2")
     result = handle.wait(timeout=40)
     assert (result.status, result.content) == (Status.completed, "four")
-    assert [e["type"] for e in handle.events(timeout=5) if e["type"] == "recovery"] == []
+    assert [e.type for e in handle.events(timeout=5) if e.type == "recovery"] == []
 
 
 def test_a_message_past_its_delivery_limit_is_dropped_and_the_sweeper_resends(deployment, amqp_url, spec):
@@ -79,8 +79,8 @@ def test_a_message_past_its_delivery_limit_is_dropped_and_the_sweeper_resends(de
     result = handle.wait(timeout=40)
     assert (result.status, result.content) == (Status.completed, "swept")
     # re-sent by the sweeper (as often as its lease lapsed while the worker was starting)
-    recovery = [e for e in handle.events(timeout=5) if e["type"] == "recovery"]
-    assert recovery and {(e["step"], e["iteration"]) for e in recovery} == {("turn", "1")}
+    recovery = [e for e in handle.events(timeout=5) if e.type == "recovery"]
+    assert recovery and {(e.step, e.iteration) for e in recovery} == {("turn", 1)}
 
 
 def test_a_frozen_worker_hands_back_the_messages_it_holds_within_a_lease(deployment, amqp_url, spec):
@@ -172,10 +172,10 @@ def test_countdown_waits_in_rabbitmq_not_in_a_worker(deployment, amqp_url, spec,
     s = spec([{"content": "ok"}])
     handles = [d.client.submit(s) for _ in range(2)]
     assert all(h.wait(timeout=60).status == Status.completed for h in handles)
-    deferred = {h.run_id: e for h in handles for _, e in d.store.read_events(h.run_id, "0")
-                if e["type"] == "rate_limited"}  # fmt: skip
+    deferred = {h.run_id: e for h in handles for e in d.store.read_events(h.run_id, "0")
+                if e.type == "rate_limited"}  # fmt: skip
     [(run_id, event)] = deferred.items()
-    recoveries = [e for _, e in d.store.read_events(run_id, "0") if e["type"] == "recovery"]
+    recoveries = [e for e in d.store.read_events(run_id, "0") if e.type == "recovery"]
     assert recoveries == [], "the deferred turn came back through the sweeper, not RabbitMQ"
     line = rf"\[(\S+ \S+): INFO/MainProcess\] Task tooloop.turn\[turn-{run_id}-1-\d+\] received"
     log = worker.tail(500_000)
@@ -183,7 +183,7 @@ def test_countdown_waits_in_rabbitmq_not_in_a_worker(deployment, amqp_url, spec,
     assert len(stamps) == 2, log[-3000:]  # delivered, deferred, delivered again when due
     # Celery's native delayed delivery counts whole seconds (int(countdown)); an ETA held
     # by the worker would have shown the second delivery at once
-    assert stamps[1] - stamps[0] >= int(int(event["wait_ms"]) / 1000) - 0.5, (stamps, event)
+    assert stamps[1] - stamps[0] >= int(event.wait_ms / 1000) - 0.5, (stamps, event)
 
 
 def test_a_tools_only_worker_binds_the_turn_queue_for_delayed_delivery(deployment, amqp_url):

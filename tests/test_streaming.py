@@ -12,11 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from orchestrator import Status
+from orchestrator.events import Text, parse, validate
 from orchestrator.scrub import continued
 from tests.conftest import ROOT
 from tests.helpers import redis_values
@@ -90,17 +92,24 @@ class Watcher(threading.Thread):
         for event in self.source():
             self.seen.append((time.time(), event))  # wall clock: compared with events' ts
 
-    def texts(self) -> list[dict[str, str]]:
-        return [e for _, e in self.seen if e["type"] == "text"]
+    def texts(self) -> list[Text]:
+        return [e for _, e in self.seen if e.type == "text"]
 
 
 def sse(base_url: str, run_id: str) -> Any:
     def events() -> Any:
         headers = {"Authorization": "Bearer tok-acme"}
         with httpx.stream("GET", f"{base_url}/api/runs/{run_id}/events", headers=headers, timeout=60) as r:
-            yield from sse_events(r)
+            for data in sse_events(r):  # the typed JSON reads back into the producer's models
+                yield validate({k: v for k, v in data.items() if not k.startswith("_")})
 
     return events
+
+
+@dataclass
+class WatchLine:
+    type: str  # the event's type, as the line shows it
+    line: str
 
 
 def cli_watch(run_id: str) -> Any:
@@ -109,17 +118,17 @@ def cli_watch(run_id: str) -> Any:
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
         for line in proc.stdout:
             kind = line.split(" ")[2] if line.startswith("turn ") else line.split(" ")[0]
-            yield {"type": kind, "line": line.rstrip("\n")}
+            yield WatchLine(kind, line.rstrip("\n"))
         proc.wait(10)
 
     return events
 
 
-def assert_paced(texts: list[dict[str, str]], content: str) -> None:
-    assert "".join(e["text"] for e in texts) == content
-    assert len(texts) >= 3 and all(len(e["text"]) >= MIN_CHARS for e in texts[:-1])
-    stamps = [int(e["ts"]) for e in texts]
-    assert min(b - a for a, b in itertools.pairwise(stamps)) >= MIN_INTERVAL_S * 1000 - 2
+def assert_paced(texts: list[Text], content: str) -> None:
+    assert "".join(e.text for e in texts) == content
+    assert len(texts) >= 3 and all(len(e.text) >= MIN_CHARS for e in texts[:-1])
+    gaps_ms = [(b.ts - a.ts).total_seconds() * 1000 for a, b in itertools.pairwise(texts)]
+    assert min(gaps_ms) >= MIN_INTERVAL_S * 1000 - 2
 
 
 def test_streamed_text_reaches_every_watcher_live(client, worker, spec, model_server, store, api_server):  # noqa: F811
@@ -137,18 +146,18 @@ def test_streamed_text_reaches_every_watcher_live(client, worker, spec, model_se
     handle, api, cli = watchers
     for w in (handle, api):
         assert_paced(w.texts(), WORDS)
-        assert {e["iteration"] for e in w.texts()} == {"2"}  # a tool-call turn has no text
-        types = [e["type"] for _, e in w.seen]
+        assert {e.iteration for e in w.texts()} == {2}  # a tool-call turn has no text
+        types = [e.type for _, e in w.seen]
         # live: the text came while the model was still answering, before the reply was recorded
         reply_recorded = types.index("iteration", types.index("tool_call"))
         assert types.index("text") < reply_recorded < types.index("outcome")
-        first_text = next(t for t, e in w.seen if e["type"] == "text")
-        recorded = int(w.seen[reply_recorded][1]["ts"]) / 1000  # when the worker wrote the reply
+        first_text = next(t for t, e in w.seen if e.type == "text")
+        recorded = w.seen[reply_recorded][1].ts.timestamp()  # when the worker wrote the reply
         assert first_text < recorded - 1.0  # ~3 s of paced deltas: the first was seen long before the end
-    lines = [e["line"] for _, e in cli.seen if e["type"] == "text"]
+    lines = [e.line for _, e in cli.seen if e.type == "text"]
     assert lines and all(line.startswith("turn 2 text ") for line in lines)
     assert "".join(json.loads(line.removeprefix("turn 2 text ")) for line in lines) == WORDS
-    assert cli.seen[-1][1]["line"] == "outcome exit=default status=completed turn=2"
+    assert cli.seen[-1][1].line == "outcome exit=default status=completed turn=2"
 
 
 def test_streamed_text_is_kept_only_in_the_event_stream(client, worker, spec, store):
@@ -157,8 +166,8 @@ def test_streamed_text_is_kept_only_in_the_event_stream(client, worker, spec, st
     streamed = client.submit(spec([answer], model_params={"stream": True}))
     plain = client.submit(spec([answer]))
     assert streamed.wait(timeout=60).status == plain.wait(timeout=60).status == Status.completed
-    texts = [e for _, e in store.read_events(streamed.run_id, count=1000) if e["type"] == "text"]
-    shown = "".join(e["text"] for e in texts)
+    texts = [e for e in store.read_events(streamed.run_id, count=1000) if isinstance(e, Text)]
+    shown = "".join(e.text for e in texts)
     assert "hunt*[REDACTED]" in shown and "sk-a*[REDACTED]" in shown
     keys = {r.run_id: redis_values(store.redis, f"{store.keys.prefix}:*{r.run_id}*")
             for r in (streamed, plain)}  # fmt: skip
@@ -175,17 +184,21 @@ def test_no_text_after_the_outcome(client, worker, spec, store):
     assert run.wait(timeout=30).status == Status.completed
     before = store.read_events(run.run_id, count=1000)
     assert store.text_event(run.run_id, 1, "late text") is False  # refused: watchers stopped at the outcome
-    assert store.read_events(run.run_id, count=1000) == before and before[-1][1]["type"] == "outcome"
+    assert store.read_events(run.run_id, count=1000) == before and before[-1].type == "outcome"
 
 
 def test_live_view_shows_the_current_turns_text_not_event_lines():
     from orchestrator.views import WatchState, event_line
 
+    def text(iteration: str, text: str) -> Text:
+        return parse("1-0", {"type": "text", "ts": "1", "iteration": iteration, "text": text})
+
     state = WatchState("r")
-    state.apply({"type": "text", "iteration": "1", "text": "Hello, "})
-    state.apply({"type": "text", "iteration": "1", "text": "world"})
-    state.apply({"type": "iteration", "iteration": "1", "tool_calls": "1", "tokens_used": "30"})
+    state.apply(text("1", "Hello, "))
+    state.apply(text("1", "world"))
+    reply = {"type": "iteration", "ts": "2", "iteration": "1", "tool_calls": "1", "tokens_used": "30"}
+    state.apply(parse("2-0", reply))
     assert (state.text, state.lines) == ("Hello, world", ["turn 1 tool_calls=1 tokens=30"])
-    state.apply({"type": "text", "iteration": "2", "text": "next turn"})
-    assert (state.text, state.turn_streaming) == ("next turn", "2")
-    assert event_line({"type": "text", "iteration": "2", "text": 'a\n"b"'}) == 'turn 2 text "a\\n\\"b\\""'
+    state.apply(text("2", "next turn"))
+    assert (state.text, state.turn_streaming) == ("next turn", 2)
+    assert event_line(text("2", 'a\n"b"')) == 'turn 2 text "a\\n\\"b\\""'

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from orchestrator import Status
+from orchestrator.events import Supervisor
 from tests.helpers import wait_for
 
 PASS = {"content": json.dumps({"passed": True, "reason": "steady progress"})}
@@ -27,13 +28,13 @@ def tools(*calls: dict, **extra: Any) -> dict:
 
 
 
-def sup_events(store, run_id: str) -> list[dict[str, str]]:
-    return [e for _, e in store.read_events(run_id, "0", count=1000) if e["type"] == "supervisor"]
+def sup_events(store, run_id: str) -> list[Supervisor]:
+    return [e for e in store.read_events(run_id, "0", count=1000) if isinstance(e, Supervisor)]
 
 
-def fired(store, run_id: str) -> list[tuple[str, str, str]]:
+def fired(store, run_id: str) -> list[tuple[str, str, int]]:
     """(rule, action, iteration) of each supervisor event."""
-    return [(e["rule"], e["action"], e["iteration"]) for e in sup_events(store, run_id)]
+    return [(e.rule, e.action, e.iteration) for e in sup_events(store, run_id)]
 
 
 def guidance(request: dict, text: str) -> list[dict]:
@@ -52,8 +53,13 @@ def judge_spec(model_server, steps: list, **fields: Any) -> dict:
     return {"model": model_server.script(steps), "model_params": params, **fields}
 
 
-def assert_metadata_only(events: list[dict[str, str]]) -> None:
-    for event in events:
+def assert_metadata_only(store, run_id: str) -> None:
+    """The supervisor events as stored (the typed models drop unknown fields: read the stream)."""
+    entries = [fields for _, fields in store.redis.xrange(store.keys.events(run_id))
+               if fields[b"type"] == b"supervisor"]  # fmt: skip
+    assert entries
+    for fields in entries:
+        event = {k.decode(): v.decode() for k, v in fields.items()}
         assert set(event) <= {"type", "ts", "rule", "action", "iteration", "verdict", "error_type"}
         assert SECRET not in json.dumps(event).lower()
 
@@ -83,8 +89,8 @@ def test_tool_repeated_abort_names_the_rule(client, worker, spec, store, model_s
     assert (result.status, result.exit, result.error_type) == (Status.aborted, "aborted", "Aborted")
     assert "supervisor" in result.error and "tool_repeated" in result.error
     assert result.iterations == 3 and len(model_server.calls(s["model"])) == 3
-    assert fired(store, handle.run_id) == [("tool_repeated", "abort", "3")]
-    assert_metadata_only(sup_events(store, handle.run_id))
+    assert fired(store, handle.run_id) == [("tool_repeated", "abort", 3)]
+    assert_metadata_only(store, handle.run_id)
 
 
 def test_tool_repeated_steer_fires_once_and_reaches_the_model(client, worker, spec, store, model_server):
@@ -94,7 +100,7 @@ def test_tool_repeated_steer_fires_once_and_reaches_the_model(client, worker, sp
     s = spec(steps, tools=["add", "lookup"], supervisor={"rules": rules, "detect_loops": False})
     handle = client.submit(s)
     assert handle.wait(timeout=30).status == Status.completed
-    assert fired(store, handle.run_id) == [("tool_repeated", "steer", "3")]
+    assert fired(store, handle.run_id) == [("tool_repeated", "steer", 3)]
     requests = model_server.calls(s["model"])
     assert not any(seen(r, "Stop looking the same key up.") for r in requests[:3])
     assert len(guidance(requests[-1], "Stop looking the same key up.")) == 1  # once, not per turn
@@ -110,9 +116,9 @@ def test_budget_fraction_counts_this_turns_reply_then_pause_and_resume(client, w
     s = spec(steps, tools=["add"], token_budget=200, supervisor={"rules": rules})
     handle = client.submit(s)
     wait_for(lambda: handle.status() == Status.paused)
-    assert fired(store, handle.run_id) == [("budget_fraction", "pause", "2")]
-    controls = [e for _, e in store.read_events(handle.run_id, "0") if e["type"] == "control"]
-    assert {"action": "pause", "by": "supervisor"}.items() <= controls[-1].items()
+    assert fired(store, handle.run_id) == [("budget_fraction", "pause", 2)]
+    controls = [e for e in store.read_events(handle.run_id, "0") if e.type == "control"]
+    assert (controls[-1].action, controls[-1].by) == ("pause", "supervisor")
     time.sleep(0.5)
     assert handle.status() == Status.paused and handle.result().iterations == 2
     assert handle.resume() == "ok"
@@ -132,7 +138,7 @@ def test_iteration_reached_each_action(client, worker, spec, store, model_server
         assert handle.result().iterations == 2
         handle.abort(reason="test over")
     result = handle.wait(timeout=30)
-    assert fired(store, handle.run_id) == [("iteration_reached", action, "2")]
+    assert fired(store, handle.run_id) == [("iteration_reached", action, 2)]
     if action == "steer":  # the default text says where the loop stands
         assert result.status == Status.completed
         assert len(guidance(model_server.calls(s["model"])[-1], "This was turn 2 of at most 10")) == 1
@@ -147,7 +153,7 @@ def test_loop_detector_same_call_same_result(client, worker, spec, store, model_
     handle = client.submit(s)
     assert handle.wait(timeout=30).status == Status.completed
     # three identical results are known once turn 4 runs (this turn's results never are)
-    assert fired(store, handle.run_id) == [("loop_repeat", "steer", "4")]
+    assert fired(store, handle.run_id) == [("loop_repeat", "steer", 4)]
     last = model_server.calls(s["model"])[-1]
     assert len(guidance(last, "returned the same result 3 times in a row")) == 1
 
@@ -169,7 +175,7 @@ def test_loop_detector_ping_pong_abort(client, worker, spec, store):
     # A B A B completed by turn 4, seen at turn 5
     assert (result.status, result.iterations) == (Status.aborted, 5)
     assert "loop_pingpong" in result.error
-    assert fired(store, handle.run_id) == [("loop_pingpong", "abort", "5")]
+    assert fired(store, handle.run_id) == [("loop_pingpong", "abort", 5)]
 
 
 # -- the judge -----------------------------------------------------------------------------
@@ -188,9 +194,9 @@ def test_judge_pass_sees_metadata_only(client, worker, spec, store, model_server
     assert handle.wait(timeout=30).status == Status.completed
     judged = wait_for(lambda: model_server.calls(judge["model"]))
     events = wait_for(lambda: sup_events(store, handle.run_id))
-    assert {(e["rule"], e["action"], e["verdict"]) for e in events} == {("judge", "none", "passed")}
-    assert {e["iteration"] for e in events} <= {"2", "4"}
-    assert_metadata_only(events)
+    assert {(e.rule, e.action, e.verdict) for e in events} == {("judge", "none", "passed")}
+    assert {e.iteration for e in events} <= {2, 4}
+    assert_metadata_only(store, handle.run_id)
     # the judge saw iteration, tokens, tool names and counts; no prompt, arguments, outputs
     request = judged[0]
     text = json.dumps(request["messages"]).lower()
@@ -223,9 +229,9 @@ def test_judge_fail_steers_with_its_reason(client, worker, spec, store, model_se
                           for m in steers)  # fmt: skip
     assert "Guidance from your operator" not in json.dumps(last["messages"])
     events = sup_events(store, handle.run_id)
-    assert ("judge", "steer", "failed") in {(e["rule"], e["action"], e["verdict"]) for e in events}
-    controls = [e for _, e in store.read_events(handle.run_id, "0") if e["type"] == "control"]
-    assert any(e["action"] == "steer" and e["by"] == "supervisor:judge" for e in controls)
+    assert ("judge", "steer", "failed") in {(e.rule, e.action, e.verdict) for e in events}
+    controls = [e for e in store.read_events(handle.run_id, "0") if e.type == "control"]
+    assert any(e.action == "steer" and e.by == "supervisor:judge" for e in controls)
 
 
 def test_at_most_one_judge_in_flight(client, worker, spec, store, model_server):
@@ -267,11 +273,11 @@ def test_judge_error_fail_open_or_closed(client, worker, spec, store, model_serv
     handle = client.submit(s)
     try:
         [event] = wait_for(lambda: sup_events(store, handle.run_id))
-        assert (event["rule"], event["action"], event["verdict"]) == ("judge", on_error, "error")
-        assert error_type is None or event["error_type"] == error_type
-        assert_metadata_only([event])
-        status = handle.status()
-        assert status == {"ignore": Status.running, "pause": Status.paused, "abort": Status.aborted}[on_error]
+        assert (event.rule, event.action, event.verdict) == ("judge", on_error, "error")
+        assert error_type is None or event.error_type == error_type
+        assert_metadata_only(store, handle.run_id)
+        expected = {"ignore": Status.running, "pause": Status.paused, "abort": Status.aborted}[on_error]
+        wait_for(lambda: handle.status() == expected)  # the action follows its event (act after mark_once)
     finally:
         hold.set()
     if on_error == "pause":

@@ -109,7 +109,7 @@ def test_acl_user_with_only_the_listed_commands(deployment, spec, acl_redis, hol
     assert handle.pause() == "ok" and handle.steer("keep going") == "ok"
     assert d.client.resume(handle.run_id) == "ok"
     assert_done(handle.wait(timeout=60))
-    assert [e["type"] for e in handle.events(timeout=5)][-1] == "outcome"
+    assert [e.type for e in handle.events(timeout=5)][-1] == "outcome"
     held = d.client.submit(spec([{"content": "never", "hold": gate(holds)}]))
     wait_for(lambda: held.status() == Status.running, timeout=30)
     assert held.abort() == "ok"

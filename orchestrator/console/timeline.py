@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.bounds import RECORD_INPUTS_MAX_BYTES, cut_text
@@ -41,7 +42,7 @@ class Note:
 
     kind: str  # control | approval | recovery | compaction | steer | ...
     text: str
-    ts: int | None = None
+    ts: datetime | None = None
 
 
 @dataclass
@@ -71,7 +72,7 @@ class TurnView:
     calls: list[CallView] = field(default_factory=list)
     tokens: int | None = None  # what this turn's reply added to tokens_used
     cost_usd: float | None = None
-    ts: int | None = None  # when its reply was recorded (ms)
+    ts: datetime | None = None  # when its reply was recorded
     notes: list[Note] = field(default_factory=list)  # control events during this turn
     guidance: list[Note] = field(default_factory=list)  # steer texts the model saw first
     pending: bool = False  # the turn in flight: no reply recorded yet
@@ -267,6 +268,7 @@ def _place_events(turns: dict[int, TurnView], events: list[dict[str, Any]],
             turn = _turn(turns, n)
             turn.ts, turn.corrected = event.get("ts"), bool(event.get("corrected"))
             tokens, cost = event.get("tokens_used"), event.get("cost_usd")
+            cost = float(cost) if isinstance(cost, int | float) else None
             if isinstance(tokens, int) and (n == 1 or (previous and previous[0] == n - 1)):
                 turn.tokens = tokens - (previous[1] if previous else 0)
                 if isinstance(cost, float):

@@ -55,13 +55,22 @@ def static_version() -> str:
 
 
 # -- templates -----------------------------------------------------------------------------------
-def _iso(ms: int | None) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds") if ms else ""
+def _when(value: datetime | int | None) -> datetime | None:
+    """A time: an event's ``ts`` (datetime) or a state field (ms since the epoch)."""
+    if isinstance(value, datetime):
+        return value
+    return datetime.fromtimestamp(value / 1000, UTC) if value else None
 
 
-def _utc(ms: int | None) -> str:
+def _iso(value: datetime | int | None) -> str:
+    when = _when(value)
+    return when.isoformat(timespec="seconds") if when else ""
+
+
+def _utc(value: datetime | int | None) -> str:
     """A time as UTC text; the page's script shows it in the viewer's zone."""
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if ms else "-"
+    when = _when(value)
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if when else "-"
 
 
 def _usd(value: float | None) -> str:
