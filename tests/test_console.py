@@ -352,9 +352,10 @@ def test_every_change_needs_the_csrf_token_and_a_session(console_url, client, sp
     with httpx.Client(base_url=console_url, timeout=30) as http:
         assert http.get("/").status_code == 303  # not signed in
         assert http.post(f"/runs/{handle.run_id}/pause").status_code == 401
-        page = http.get("/login")
-        nonce = re.search(r'name="nonce" value="([^"]+)"', page.text)[1]
-        assert http.post("/login", data={"token": "tok-acme", "nonce": "forged"}).status_code == 403
+        http.get("/login")
+        forged = http.post("/login", data={"token": "tok-acme", "nonce": "forged"})
+        assert forged.status_code == 403 and "tooloop_session" not in http.cookies
+        nonce = re.search(r'name="nonce" value="([^"]+)"', forged.text)[1]  # the fresh form's
         assert http.post("/login", data={"token": "tok-acme", "nonce": nonce}).status_code == 303
         paths = [f"/runs/{handle.run_id}/{a}" for a in ("pause", "resume", "steer", "abort")]
         paths += [f"/runs/{handle.run_id}/calls/x/approve", f"/runs/{handle.run_id}/calls/x/deny", "/logout"]
