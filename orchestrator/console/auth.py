@@ -116,7 +116,8 @@ def set_cookie(response: Response, request: Request, name: str, value: str, max_
 def csrf_ok(request: Request, session: Session, sent: str | None) -> bool:
     """The session's CSRF token came with the request, and no other origin sent it."""
     origin = request.headers.get("origin")
-    if origin and origin.split("://", 1)[-1] != request.headers.get("host"):
+    hosts = {request.headers.get("host"), request.headers.get("x-forwarded-host")}  # (behind a proxy)
+    if origin and origin.split("://", 1)[-1] not in hosts:
         return False
     token = sent or request.headers.get(CSRF_HEADER) or ""
     return bool(token) and hmac.compare_digest(token, session.csrf)

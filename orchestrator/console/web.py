@@ -9,7 +9,6 @@ only, and no inline script: injected markup could not run even if some escaped.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -102,7 +101,7 @@ templates = Jinja2Templates(env=_env())
 def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> HTMLResponse:
     console: ConsoleState = request.app.state.console
     session: Session | None = getattr(request.state, "session", None)
-    base = {"static_v": console.static_version, "session": session, "now_ms": int(time.time() * 1000)}
+    base = {"static_v": console.static_version, "session": session}
     response = templates.TemplateResponse(request, name, {**base, **context}, status_code=status)
     return finish(request, response)
 
