@@ -12,9 +12,10 @@ NO_KEY = ("sealed values do not open here: a tool call whose arguments hold a se
           "(SecretError), and so does a turn whose spec has a sealed credential")
 
 
-def diagnose(settings: Settings | None = None) -> dict[str, Any]:
-    settings = settings or get_settings()
-    store = RunStore.from_settings(settings)
+def diagnose(store: RunStore | None = None) -> dict[str, Any]:
+    """The report (the console's fleet page shows the same, from its own store)."""
+    settings = store.settings if store else get_settings()
+    store = store or RunStore.from_settings(settings)
     report: dict[str, Any] = {"redis": {"url": settings.redis_url, "ok": False}}
     try:
         info = store.redis.info()

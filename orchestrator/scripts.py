@@ -151,6 +151,9 @@ local function add_usage(usage, kind)
   return total
 end
 
+-- The run's cost so far (USD, as stored): iteration events carry it, so a turn's cost shows.
+local function cost_now() return redis.call('HGET', RUN, 'cost_usd') or '0' end
+
 local function tokens_of(usage) return tonumber(string.match(usage, '^(%d+)')) or 0 end
 
 -- Bills the reply of one claim (usage '<tokens> <cost usd>'), once: -> tokens_used, billed
@@ -240,7 +243,7 @@ end
 redis.call('RPUSH', MSGS, arg(3))
 redis.call('HSET', RUN, 'iteration', it, 'turn_claimed', 0, 'updated_at', NOW)
 if arg(5) == 'finish' then
-  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens)
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'cost_usd', cost_now())
   finish(arg(6), arg(7), arg(8), arg(9), arg(10), arg(11))
   return 'finished'
 end
@@ -250,12 +253,13 @@ if arg(5) == 'continue' then
   local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
   redis.call('HSET', RUN, 'turn_attempts', 0, 'turn_owner', '', 'turn_error', '',
     'turn_deadline', NOW + LEASE)
-  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'corrected', 1)
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'corrected', 1,
+    'cost_usd', cost_now())
   next_look()
   return 'continue:' .. gen
 end
 local n = (#ARGV - 10) / 3
-event('iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens)
+event('iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens, 'cost_usd', cost_now())
 redis.call('HSET', RUN, 'phase', 'tools', 'pending', n, 'ncalls', n)
 local ids = {'dispatch'}
 for i = 6, 5 + 3 * n, 3 do

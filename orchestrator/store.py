@@ -498,6 +498,53 @@ class RunStore:
             self.redis.zrem(index, run_id)
         return rows
 
+    def run_ids_before(self, tenant: str, before: tuple[int, str] | None,
+                       limit: int) -> list[tuple[int, str]]:  # fmt: skip
+        """One page of a tenant's run index, newest first: ``(created_at ms, run_id)`` strictly
+        older than ``before`` in (created_at, run_id) order. A merge over the shards that
+        reads a few entries of each per round trip (about twice the page in all) and
+        never the whole index: a tenant with 100,000 runs pages as fast as one with 10."""
+        per = max(4, -(-2 * limit // SHARDS))  # entries read per shard and round
+        cursors: dict[int, tuple[int, str] | None] = dict.fromkeys(range(SHARDS), before)
+        found: list[tuple[int, str]] = []  # read, not yet known to be the next newest
+        out: list[tuple[int, str]] = []
+        while cursors and len(out) < limit:
+            fetched = self._older(tenant, cursors, per)
+            for shard, rows in fetched.items():
+                found += rows
+                if len(rows) < per:
+                    del cursors[shard]  # this shard has nothing older
+                else:
+                    cursors[shard] = rows[-1]
+            # safe to emit: newer than the oldest read of every shard that may hold more
+            frontier = max((c for c in cursors.values() if c is not None), default=None)
+            found.sort(reverse=True)
+            cut = len(found) if frontier is None else sum(1 for row in found if row > frontier)
+            out += found[:cut]
+            found = found[cut:]
+        return out[:limit]
+
+    def _older(self, tenant: str, cursors: dict[int, tuple[int, str] | None],
+               per: int) -> dict[int, list[tuple[int, str]]]:  # fmt: skip
+        """Up to ``per`` entries of each shard older than its cursor, newest first (one round
+        trip; the cursor's own millisecond is read whole and cut by id: ties are few)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, cursor in cursors.items():
+            index = self.keys.tenant_runs(tenant, shard)
+            if cursor is None:
+                pipe.zrevrangebyscore(index, "+inf", "-inf", start=0, num=per, withscores=True)
+            else:
+                pipe.zrevrangebyscore(index, cursor[0], cursor[0], withscores=True)
+                pipe.zrevrangebyscore(index, f"({cursor[0]}", "-inf", start=0, num=per, withscores=True)
+        replies = iter(pipe.execute())
+        out: dict[int, list[tuple[int, str]]] = {}
+        for shard, cursor in cursors.items():
+            rows = [(int(score), _s(m)) for m, score in next(replies)]
+            if cursor is not None:
+                rows = [r for r in rows if r < cursor] + [(int(sc), _s(m)) for m, sc in next(replies)]
+            out[shard] = rows[:per]
+        return out
+
     def read_events(
         self, run_id: str, after: str = "0", block_ms: int | None = None, count: int = 100
     ) -> list[Event]:
