@@ -540,6 +540,6 @@ def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deploym
         assert not record.success and record.error.startswith("SecretError: "), record.error
         assert "TOOLOOP_SECRET_KEY" in record.error and "hunter2" not in record.error
     assert not (run_dir(handle.run_id) / "effects.txt").exists()  # nothing ran
-    workers = diagnose(d.settings)["workers"]
+    workers = diagnose(d.store)["workers"]
     assert workers[f"tools@{keyless.name}"]["secret_key"] is False
     assert workers[f"turns@{d.workers[0].name}"]["secret_key"] is True

@@ -189,7 +189,7 @@ def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec) -> None:
     try:
         r.lpush(own, "call-1", "call-2")
         r.lpush(shared, "call-3")
-        report = diagnose(d.settings)
+        report = diagnose(d.store)
         assert report["queues"] == {keys.turn_queue: 2, keys.tool_queue: 3}  # the tools' own queues too
         assert d.queued(keys.turn_queue) == 2  # worker.broker.queue_depths (the sweeper's, on AMQP)
     finally:
