@@ -17,8 +17,6 @@ follower cannot slow a run.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -31,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from orchestrator import metrics, telemetry
+from orchestrator import console, metrics, telemetry
 from orchestrator.bounds import API_BODY_MAX_BYTES, TooLong
 from orchestrator.client import Client
 from orchestrator.connections import connect_async
@@ -39,6 +37,8 @@ from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
 from orchestrator.models import RunResult, Status
 from orchestrator.settings import Settings, get_settings
+from orchestrator.tokens import match_token as _match_token
+from orchestrator.tokens import token_digest
 from orchestrator.validation import SpecError
 from orchestrator.views import RunSummary
 
@@ -107,20 +107,6 @@ async def _tenant(api: Api, creds: Annotated[HTTPAuthorizationCredentials | None
     if tenant is None:
         raise HTTPException(401, "missing or unknown bearer token", {"WWW-Authenticate": "Bearer"})
     return tenant
-
-
-def token_digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-def _match_token(digests: dict[bytes, str], given: str) -> str | None:
-    # SHA-256 digests, compared with compare_digest against every one: the answer time
-    # says nothing about near misses, nor about a token's length (every digest is 32 bytes)
-    wanted, found = token_digest(given), None
-    for digest, tenant in digests.items():
-        if hmac.compare_digest(digest, wanted):
-            found = tenant
-    return found
 
 
 Tenant = Annotated[str, Depends(_tenant)]
@@ -398,7 +384,10 @@ def deny(
 
 
 # -- the app ------------------------------------------------------------------------------
-def create_app(settings: Settings | None = None, client: Client | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, client: Client | None = None,
+               insecure_local: bool = False) -> FastAPI:  # fmt: skip
+    """The API, and the run console at ``/`` (``insecure_local``: the console signs every
+    browser in as the ``default`` tenant, without a token: for a laptop, bound to loopback)."""
     settings = settings or get_settings()
     tokens = {token_digest(token): tenant for token, tenant in settings.tenant_tokens().items()}
     state = ApiState(client=client or Client(settings), tokens=tokens)
@@ -426,6 +415,7 @@ def create_app(settings: Settings | None = None, client: Client | None = None) -
     metrics.count_here()
     state.metrics = metrics.registry(settings, multiprocess=False)
     app.include_router(router)
+    console.install(app, state, follow, settings.secret_key, insecure_local)
     app.add_api_route("/api/health", health, methods=["GET"], tags=["health"],
                       responses={**TOO_LARGE, 503: {"model": Problem, "description": "Redis unreachable"}})
     app.add_api_route("/metrics", metrics_page, methods=["GET"], tags=["health"], response_class=Response,
@@ -463,10 +453,12 @@ def metrics_page(api: Api) -> Response:
     return Response(body, media_type=content_type)
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          insecure_local: bool = False) -> None:  # fmt: skip
     import uvicorn
 
-    uvicorn.run(create_app(), host=host, port=port, log_level=log_level, log_config=_log_config(),
+    app = create_app(insecure_local=insecure_local)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=_log_config(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
 
 

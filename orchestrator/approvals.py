@@ -8,7 +8,9 @@ reaches the tool task like any call; the task asks ``park`` first:
   deadline>`` (dispatched, not started: no lease runs and no heartbeat is owed); an
   ``approval`` event carries its name and scrubbed arguments. The task returns: no
   worker slot is held while a person decides.
-- ``decide`` (``tooloop approve|deny``, ``RunHandle.approve|deny``, the API) records the
+- ``decide`` (``tooloop approve|deny``, ``RunHandle.approve|deny``, the API), addressed by
+  the call's id in the run (unique: a call id the model repeated was rewritten when the
+  reply was recorded, see RECORD_REPLY in orchestrator/scripts.py), records the
   decision once (a second decision answers ``already``: fenced like every directive)
   and hands back the call's payload to dispatch again; the call state's deadline
   becomes a lease deadline, so a dispatch lost with its sender is re-sent by the sweeper.
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 24 * 3600
 
 _COMMON = """
-local RUN, CSTATE, CARGS, EVENTS, APPROVALS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local RUN, CSTATE, CARGS, EVENTS, APPROVALS, CALLIDS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local clock = redis.call('TIME')
 local NOW = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local function ended(status)
@@ -95,7 +98,7 @@ if raw then
 end
 local a = {state = 'pending', call_id = ARGV[5], tool = ARGV[6], iteration = tonumber(ARGV[2]),
   requested_at = now, deadline = deadline}
-redis.call('HSET', APPROVALS, ARGV[1], cjson.encode(a), 'id:' .. ARGV[5], ARGV[1])
+redis.call('HSET', APPROVALS, ARGV[1], cjson.encode(a))
 requeue(ARGV[1], state, deadline, false)
 redis.call('HINCRBY', RUN, 'approvals_pending', 1)
 event(maxlen, now, 'iteration', ARGV[2], 'call_id', ARGV[5], 'tool', ARGV[6],
@@ -107,13 +110,16 @@ return {'parked'}
 #   ('approved'|'denied'), reason, by, lease (ms), maxlen, run id
 # -> {'ok', payload, generation} | {'already', state} | {'unknown'} | {'ended'} | {'missing'}
 DECIDE = _COMMON + """
-local LEASES = KEYS[6]
+local LEASES = KEYS[7]
 local status = redis.call('HGET', RUN, 'status')
 if not status then return {'missing'} end
 if ended(status) then return {'ended'} end
-local key = redis.call('HGET', APPROVALS, 'id:' .. ARGV[1])
+-- the call's id in the run (unique: RECORD_REPLY); 'id:' entries: parked before call ids were
+local key = redis.call('HGET', CALLIDS, ARGV[1]) or redis.call('HGET', APPROVALS, 'id:' .. ARGV[1])
 if not key then return {'unknown'} end
-local a = cjson.decode(redis.call('HGET', APPROVALS, key))
+local raw = redis.call('HGET', APPROVALS, key)
+if not raw then return {'unknown'} end  -- a call that is not (or not yet) waiting for a person
+local a = cjson.decode(raw)
 if a.state ~= 'pending' then return {'already', a.state} end
 decided(key, a, ARGV[2], ARGV[3], ARGV[4], NOW, ARGV[6])
 local state = redis.call('HGET', CSTATE, key)
@@ -136,7 +142,8 @@ class Gate:
 
 def _keys(store: RunStore, run_id: str) -> list[str]:
     k = store.keys
-    return [k.run(run_id), k.call_state(run_id), k.call_args(run_id), k.events(run_id), k.approvals(run_id)]
+    return [k.run(run_id), k.call_state(run_id), k.call_args(run_id), k.events(run_id), k.approvals(run_id),
+            k.call_ids(run_id)]  # fmt: skip
 
 
 def _script(store: RunStore, name: str) -> Any:
@@ -186,15 +193,6 @@ def pending(store: RunStore, run_id: str) -> list[dict[str, Any]]:
     raw = store.redis.hgetall(store.keys.approvals(run_id))
     items = [json.loads(v) for k, v in raw.items() if not _s(k).startswith("id:")]
     return sorted((a for a in items if a["state"] == "pending"), key=lambda a: a["requested_at"])
-
-
-def check_approval(report: Any) -> None:
-    """At submit: ``approval`` names only tools the run may call."""
-    spec = report.stored_spec
-    callable_names = set(spec.tools) | {t.name for t in spec.http_tools if not isinstance(t, str)}
-    unknown = [name for name in spec.approval if name not in callable_names]
-    if unknown:
-        report.errors.append(f"approval: {unknown} are not among the run's tools or http_tools")
 
 
 def waiting_runs(store: RunStore, scan: int = 1000, tenant: str | None = None) -> list[dict[str, str]]:

@@ -419,19 +419,29 @@ def api(
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
     loglevel: Annotated[str, typer.Option("-l", "--loglevel")] = "info",
+    insecure_local: Annotated[bool, typer.Option(
+        "--insecure-local",
+        help="without TOOLOOP_API_TOKENS: the console signs in as tenant default (loopback only)",
+    )] = False,
 ) -> None:
-    """The operator HTTP API (bearer tokens from TOOLOOP_API_TOKENS); OpenAPI at /docs."""
+    """The operator HTTP API and the run console at / (tokens from TOOLOOP_API_TOKENS); OpenAPI at /docs."""
     from orchestrator.settings import get_settings
 
     try:
         tokens = get_settings().tenant_tokens()
     except ValueError as exc:  # a duplicated token: refuse to start rather than guess its tenant
         _fail(str(exc), 2, "usage")
-    if not tokens:
-        _err("warning: TOOLOOP_API_TOKENS is empty: every /api/runs request will answer 401")
+    if not tokens and not insecure_local:
+        _fail("TOOLOOP_API_TOKENS is empty: set it (token=tenant,...), or pass --insecure-local "
+              "to serve this machine only, signed in as tenant default", 2, "usage")  # fmt: skip
+    if insecure_local and host not in LOOPBACK:
+        _fail(f"--insecure-local serves loopback only (127.0.0.1), not {host}", 2, "usage")
     from orchestrator.api import serve  # FastAPI only here: other commands stay fast
 
-    serve(host, port, loglevel)
+    serve(host, port, loglevel, insecure_local=insecure_local)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def main() -> None:

@@ -10,10 +10,11 @@ from typing import Any
 
 from orchestrator import telemetry
 from orchestrator.events import Event
+from orchestrator.keys import run_id_error
 from orchestrator.models import RunResult, RunSpec, Status
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import Recovery, RunStore
-from orchestrator.validation import SpecError, bind_tenant, check_spec, parse_spec_data, run_id_error
+from orchestrator.validation import SpecError, bind_tenant, check_spec, parse_spec_data
 
 
 class Client:

@@ -8,6 +8,7 @@ runs are submitted, the first is watched live, and all results are shown.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -37,6 +38,44 @@ def _start_worker(stack: ExitStack, env: dict[str, str]) -> Any:
     stack.callback(proc.log.unlink, missing_ok=True)  # last in, first out: once the worker stopped
     stack.callback(proc.stop)
     return proc
+
+
+def _start_console(stack: ExitStack) -> tuple[str, str]:
+    """The API and its run console in this process, on a free loopback port, with a
+    fresh token for the runs' tenant: (URL, token)."""
+    import secrets
+    import threading
+
+    import uvicorn
+
+    from orchestrator.api import create_app
+    from orchestrator.local import free_port
+    from orchestrator.settings import Settings
+
+    token, port = secrets.token_urlsafe(18), free_port()
+    app = create_app(Settings(api_tokens=f"{token}=default"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    stack.callback(stop)
+    return f"http://127.0.0.1:{port}/", token
+
+
+def _stay_up(url: str) -> None:
+    """On a terminal, the console stays up after the runs until Ctrl-C."""
+    if not sys.stdin.isatty():
+        return
+    _say(f"the console stays up at {url}: press Ctrl-C to stop the demo")
+    import threading
+
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
 
 
 def run_demo(runs: int = 3) -> int:
@@ -69,6 +108,8 @@ def run_demo(runs: int = 3) -> int:
         _say("starting a worker (turns: threads pool, tools: prefork + sandbox; litellm loads in ~6 s)")
         proc = _start_worker(stack, env)
         client = Client()
+        url, token = _start_console(stack)
+        _say(f"run console: {url}  (sign in with the token {token})")
         try:
             proc.wait_ready(client.store)
         except (RuntimeError, TimeoutError) as exc:
@@ -91,4 +132,5 @@ def run_demo(runs: int = 3) -> int:
             _say(f"  turn {record.iteration} {record.tool_name}({record.inputs}) -> {record.output}")
         ok = all(r.succeeded for r in results)
         _say("demo finished: all runs completed" if ok else "demo finished with failures")
+        _stay_up(url)
         return 0 if ok else 1

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator.settings import get_settings
+from orchestrator.settings import Settings, get_settings
 from orchestrator.store import RunStore
 
+NO_KEY = ("sealed values do not open here: a tool call whose arguments hold a secret fails "
+          "(SecretError), and so does a turn whose spec has a sealed credential")
 
-def diagnose() -> dict[str, Any]:
-    settings = get_settings()
-    store = RunStore.from_settings(settings)
+
+def diagnose(store: RunStore | None = None) -> dict[str, Any]:
+    """The report (the console's fleet page shows the same, from its own store)."""
+    settings = store.settings if store else get_settings()
+    store = store or RunStore.from_settings(settings)
     report: dict[str, Any] = {"redis": {"url": settings.redis_url, "ok": False}}
     try:
         info = store.redis.info()
@@ -25,8 +29,7 @@ def diagnose() -> dict[str, Any]:
         aof=bool(info.get("aof_enabled")),
         maxmemory_policy=config.get("maxmemory-policy"),
     )
-    keys = store.keys
-    report["queues"] = _queue_depths(settings, [keys.turn_queue, keys.tool_queue])
+    report["queues"] = _queue_depths(settings, store)
     now = time.time()
     report["workers"] = {
         name: {
@@ -36,6 +39,8 @@ def diagnose() -> dict[str, Any]:
             "sandbox_off": w.get("sandbox_off", {}),  # layer -> why it is off
             "mcp_unavailable": w.get("mcp_unavailable", {}),  # MCP server -> why its tools are missing
             "seen_s_ago": round(now - w.get("seen", now), 1),
+            # without it, sealed tool arguments and credentials do not open there
+            "secret_key": w.get("secret_key"),
         }
         for name, w in store.live_workers().items()
     }
@@ -54,15 +59,17 @@ def sandbox_report(store: RunStore) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _queue_depths(settings: Any, queues: list[str]) -> dict[str, Any]:
-    """From the broker itself (RabbitMQ or Redis): messages waiting in each queue."""
-    from worker.app import make_app
-    from worker.broker import queue_depths
+def _queue_depths(settings: Settings, store: RunStore) -> dict[str, Any]:
+    """What waits in the turn and tool queues, counted in the broker itself (the Redis lists
+    behind kombu's queues, every priority and each tool's own queue; RabbitMQ's message
+    counts), as the metrics count it."""
+    from orchestrator.metrics import queue_depths
 
     try:
-        return {q: n or 0 for q, n in queue_depths(make_app(settings), queues).items()}
+        return queue_depths(settings, store.redis)
     except Exception as exc:  # the broker is down: say so, keep the rest of the report
-        return {q: f"broker unreachable ({exc})" for q in queues}
+        keys = store.keys
+        return {q: f"broker unreachable ({exc})" for q in (keys.turn_queue, keys.tool_queue)}
 
 
 def render(report: dict[str, Any]) -> None:
@@ -91,3 +98,5 @@ def render(report: dict[str, Any]) -> None:
         for server, why in w.get("mcp_unavailable", {}).items():
             console.print(f"  [yellow]MCP server {escape(server)!r} unavailable[/yellow]: {escape(why)}",
                           markup=True, highlight=False, soft_wrap=True)  # fmt: skip
+        if w.get("secret_key") is False:
+            console.print(f"  [yellow]no TOOLOOP_SECRET_KEY[/yellow]: {NO_KEY}", markup=True, highlight=False)

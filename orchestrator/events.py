@@ -64,6 +64,7 @@ class Iteration(_Known):
     iteration: int
     tool_calls: int
     tokens_used: int
+    cost_usd: float = 0.0  # the run's cost so far (USD): a turn's cost is the difference
     corrected: bool = False  # the reply broke the outcome contract and was sent back once
 
 

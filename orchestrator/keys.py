@@ -10,6 +10,7 @@ registry) are only ever touched on their own.
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -18,6 +19,17 @@ WORKER_TTL_S = 30  # a worker not seen for this long is not live
 CATALOG_REFRESH_S = 10  # workers re-publish their catalog this often
 SHARDS = 32  # fixed for a deployment: a run's keys are named after its shard
 STEER_MAX = 100  # steer messages waiting for the next turn, per run
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run id names keys and a folder: a plain name only
+
+
+def run_id_error(run_id: object) -> str | None:
+    """Why ``run_id`` is refused, or None (``../x``, ``/etc``, ``a}b`` would reach past the
+    run's folder or its keys' hash tag)."""
+    if isinstance(run_id, str) and RUN_ID.fullmatch(run_id):
+        return None
+    return f"run_id: {run_id!r} must match [A-Za-z0-9_-]{{1,64}}"
 
 
 def shard_of(run_id: str) -> int:
@@ -77,9 +89,13 @@ class Keys:
         return self._run(run_id, "claims")
 
     def approvals(self, run_id: str) -> str:
-        """Hash ``<iteration>.<index>`` -> approval record JSON; ``id:<call_id>`` -> the key
-        (orchestrator/approvals.py)."""
+        """Hash ``<iteration>.<index>`` -> approval record JSON (orchestrator/approvals.py)."""
         return self._run(run_id, "approvals")
+
+    def call_ids(self, run_id: str) -> str:
+        """Hash call id -> ``<iteration>.<index>``: every call id of the run, each unique (made
+        so when the reply is recorded: see RECORD_REPLY); approvals are addressed by it."""
+        return self._run(run_id, "callids")
 
     def all_for_run(self, run_id: str) -> list[str]:
         """The run's own keys, in the order scripts.PRELUDE names them."""
@@ -95,6 +111,7 @@ class Keys:
             self.supervisor(run_id),
             self.claims(run_id),
             self.approvals(run_id),  # expires with the run (orchestrator/approvals.py)
+            self.call_ids(run_id),
         ]
 
     def script_keys(self, run_id: str) -> list[str]:

@@ -39,8 +39,10 @@ so any reply (recorded, discarded, or of a failed attempt) is counted once.
 PRELUDE = """
 local RUN, MSGS, CALLS, CSTATE, CARGS, TMSGS, STEER, EVENTS, SUP, CLAIMS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local NRUN = 11  -- KEYS[11]: the approvals hash (orchestrator/approvals.py), expired with the run
-local LEASES, RUNS, EXPIRY = KEYS[12], KEYS[13], KEYS[14]
+-- KEYS[11]: the approvals hash (orchestrator/approvals.py); KEYS[12]: the run's call ids
+local CALLIDS = KEYS[12]
+local NRUN = 12  -- the run's own keys, expired with it
+local LEASES, RUNS, EXPIRY = KEYS[NRUN + 1], KEYS[NRUN + 2], KEYS[NRUN + 3]
 local RUN_ID, LEASE, MAXLEN, TTL, CAP =
   ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local function arg(i) return ARGV[5 + i] end
@@ -149,6 +151,9 @@ local function add_usage(usage, kind)
   return total
 end
 
+-- The run's cost so far (USD, as stored): iteration events carry it, so a turn's cost shows.
+local function cost_now() return redis.call('HGET', RUN, 'cost_usd') or '0' end
+
 local function tokens_of(usage) return tonumber(string.match(usage, '^(%d+)')) or 0 end
 
 -- Bills the reply of one claim (usage '<tokens> <cost usd>'), once: -> tokens_used, billed
@@ -171,7 +176,7 @@ redis.call('HSET', RUN, 'spec', arg(1), 'tenant', arg(2),
 for i = 3, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) end
 event('queued')
 redis.call('ZADD', RUNS, NOW, RUN_ID)
-redis.call('ZADD', KEYS[15], NOW, RUN_ID)
+redis.call('ZADD', KEYS[NRUN + 4], NOW, RUN_ID)
 redis.call('ZADD', LEASES, NOW + LEASE, RUN_ID)
 return 1
 """
@@ -214,11 +219,15 @@ return out
 
 # ARGV: iteration, owner, assistant message, usage ('<tokens> <cost usd>'), kind,
 #   kind 'finish':   status, exit, content, result, error, error_type
-#   kind 'tools':    (key, payload) pairs
+#   kind 'tools':    (key, the model's call id, payload) triples
 #   kind 'continue': messages to append (a corrective message): the next turn is due
-# -> 'finished' | 'dispatch' | 'continue:<next turn generation>' | 'discarded' (run ended)
-#  | 'stale' (not the turn's owner) | 'missing'. The reply's usage is billed in every
-#  case but 'missing'.
+# -> 'finished' | {'dispatch', call ids...} | 'continue:<next turn generation>'
+#  | 'discarded' (run ended) | 'stale' (not the turn's owner) | 'missing'. The reply's
+#  usage is billed in every case but 'missing'.
+# Call ids: a model may repeat one (in a reply, or across turns), and a person decides an
+# approval by it, so each call gets one of its own in the run: the model's, or, when that
+# is taken, '<model id>~<key>' (its payload then keeps the model's as ``model_call_id``,
+# for the tool message the model reads).
 RECORD_REPLY = """
 local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner')
 if not st[1] then return 'missing' end
@@ -234,7 +243,7 @@ end
 redis.call('RPUSH', MSGS, arg(3))
 redis.call('HSET', RUN, 'iteration', it, 'turn_claimed', 0, 'updated_at', NOW)
 if arg(5) == 'finish' then
-  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens)
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'cost_usd', cost_now())
   finish(arg(6), arg(7), arg(8), arg(9), arg(10), arg(11))
   return 'finished'
 end
@@ -244,20 +253,34 @@ if arg(5) == 'continue' then
   local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
   redis.call('HSET', RUN, 'turn_attempts', 0, 'turn_owner', '', 'turn_error', '',
     'turn_deadline', NOW + LEASE)
-  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'corrected', 1)
+  event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'corrected', 1,
+    'cost_usd', cost_now())
   next_look()
   return 'continue:' .. gen
 end
-local n = (#ARGV - 10) / 2
-event('iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens)
+local n = (#ARGV - 10) / 3
+event('iteration', 'iteration', it, 'tool_calls', n, 'tokens_used', tokens, 'cost_usd', cost_now())
 redis.call('HSET', RUN, 'phase', 'tools', 'pending', n, 'ncalls', n)
-for i = 6, 5 + 2 * n, 2 do
-  put(arg(i), {kind = 'q', deadline = NOW + LEASE, attempts = 0, gen = 1, taken = 0,
-               owner = '', err = ''})
-  redis.call('HSET', CARGS, arg(i), arg(i + 1))
+local ids = {'dispatch'}
+for i = 6, 5 + 3 * n, 3 do
+  local key, id, payload = arg(i), arg(i + 1), arg(i + 2)
+  local unique, tries = id, 0
+  while redis.call('HSETNX', CALLIDS, unique, key) == 0 do
+    tries = tries + 1
+    unique = id .. '~' .. key .. (tries > 1 and ('~' .. tries) or '')
+  end
+  if unique ~= id then
+    local p = cjson.decode(payload)
+    p.call_id, p.model_call_id = unique, id
+    payload = cjson.encode(p)
+  end
+  ids[#ids + 1] = unique
+  put(key, {kind = 'q', deadline = NOW + LEASE, attempts = 0, gen = 1, taken = 0,
+            owner = '', err = ''})
+  redis.call('HSET', CARGS, key, payload)
 end
 next_look()
-return 'dispatch'
+return ids
 """
 
 # A turn attempt that raised. ARGV: iteration, owner, usage of its reply ('0 0': none), error

@@ -23,7 +23,16 @@ from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS, refuse_long
 from orchestrator.connections import connect
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
-from orchestrator.keys import SHARDS, STEER_MAX, WORKER_TTL_S, Keys, call_key, parse_call_key, shard_of
+from orchestrator.keys import (
+    SHARDS,
+    STEER_MAX,
+    WORKER_TTL_S,
+    Keys,
+    call_key,
+    parse_call_key,
+    run_id_error,
+    shard_of,
+)
 from orchestrator.models import (
     LIMIT_EXITS,
     RunResult,
@@ -33,7 +42,6 @@ from orchestrator.models import (
     status_for_exit,
 )
 from orchestrator.settings import Settings, get_settings
-from orchestrator.validation import run_id_error
 
 
 def now_ms() -> int:
@@ -195,11 +203,20 @@ class RunStore:
     def record_tool_calls(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
                           tokens: int, payloads: list[dict[str, Any]],
                           cost_usd: float = 0.0) -> str:  # fmt: skip
-        pairs: list[str] = []
+        """Record a reply asking for tool calls; 'dispatch': send them. Each payload's
+        ``call_id`` becomes the call's id in the run, unique (see RECORD_REPLY): a
+        repeated one is rewritten, the model's kept as ``model_call_id``."""
+        triples: list[str] = []
         for index, payload in enumerate(payloads):
-            pairs += [call_key(iteration, index), json.dumps(payload)]
-        return _s(self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
-                            usage(tokens, cost_usd), "tools", *pairs))  # fmt: skip
+            triples += [call_key(iteration, index), payload["call_id"], json.dumps(payload)]
+        out = self._run("RECORD_REPLY", run_id, iteration, owner, json.dumps(message),
+                        usage(tokens, cost_usd), "tools", *triples)  # fmt: skip
+        if not isinstance(out, list):
+            return _s(out)
+        for payload, raw in zip(payloads, out[1:], strict=True):
+            if (unique := _s(raw)) != payload["call_id"]:
+                payload["model_call_id"], payload["call_id"] = payload["call_id"], unique
+        return _s(out[0])
 
     def record_correction(self, run_id: str, iteration: int, owner: str, message: dict[str, Any],
                           tokens: int, correction: str,
@@ -238,6 +255,12 @@ class RunStore:
         """A piece of the model's streamed reply (scrubbed) for watchers, kept only in the
         capped event stream; False (not kept) once the run has ended."""
         return bool(self._run("TEXT", run_id, iteration, text))
+
+    def text_events(self, pieces: list[tuple[str, int, str]]) -> list[bool | Exception]:
+        """``text_event`` for each (run id, iteration, text), in one round trip (a failed
+        one's error in its place)."""
+        out = self._many("TEXT", [(run_id, (iteration, text)) for run_id, iteration, text in pieces])
+        return [r if isinstance(r, Exception) else bool(r) for r in out]
 
     def add_usage(self, run_id: str, kind: str, tokens: int, cost_usd: float = 0.0) -> None:
         """Count a model call made for the run outside its turns' replies (the judge)."""
@@ -474,6 +497,53 @@ class RunStore:
             index = self.keys.runs(shard) if tenant is None else self.keys.tenant_runs(tenant, shard)
             self.redis.zrem(index, run_id)
         return rows
+
+    def run_ids_before(self, tenant: str, before: tuple[int, str] | None,
+                       limit: int) -> list[tuple[int, str]]:  # fmt: skip
+        """One page of a tenant's run index, newest first: ``(created_at ms, run_id)`` strictly
+        older than ``before`` in (created_at, run_id) order. A merge over the shards that
+        reads a few entries of each per round trip (about twice the page in all) and
+        never the whole index: a tenant with 100,000 runs pages as fast as one with 10."""
+        per = max(4, -(-2 * limit // SHARDS))  # entries read per shard and round
+        cursors: dict[int, tuple[int, str] | None] = dict.fromkeys(range(SHARDS), before)
+        found: list[tuple[int, str]] = []  # read, not yet known to be the next newest
+        out: list[tuple[int, str]] = []
+        while cursors and len(out) < limit:
+            fetched = self._older(tenant, cursors, per)
+            for shard, rows in fetched.items():
+                found += rows
+                if len(rows) < per:
+                    del cursors[shard]  # this shard has nothing older
+                else:
+                    cursors[shard] = rows[-1]
+            # safe to emit: newer than the oldest read of every shard that may hold more
+            frontier = max((c for c in cursors.values() if c is not None), default=None)
+            found.sort(reverse=True)
+            cut = len(found) if frontier is None else sum(1 for row in found if row > frontier)
+            out += found[:cut]
+            found = found[cut:]
+        return out[:limit]
+
+    def _older(self, tenant: str, cursors: dict[int, tuple[int, str] | None],
+               per: int) -> dict[int, list[tuple[int, str]]]:  # fmt: skip
+        """Up to ``per`` entries of each shard older than its cursor, newest first (one round
+        trip; the cursor's own millisecond is read whole and cut by id: ties are few)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, cursor in cursors.items():
+            index = self.keys.tenant_runs(tenant, shard)
+            if cursor is None:
+                pipe.zrevrangebyscore(index, "+inf", "-inf", start=0, num=per, withscores=True)
+            else:
+                pipe.zrevrangebyscore(index, cursor[0], cursor[0], withscores=True)
+                pipe.zrevrangebyscore(index, f"({cursor[0]}", "-inf", start=0, num=per, withscores=True)
+        replies = iter(pipe.execute())
+        out: dict[int, list[tuple[int, str]]] = {}
+        for shard, cursor in cursors.items():
+            rows = [(int(score), _s(m)) for m, score in next(replies)]
+            if cursor is not None:
+                rows = [r for r in rows if r < cursor] + [(int(sc), _s(m)) for m, sc in next(replies)]
+            out[shard] = rows[:per]
+        return out
 
     def read_events(
         self, run_id: str, after: str = "0", block_ms: int | None = None, count: int = 100

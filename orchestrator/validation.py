@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from orchestrator.approvals import check_approval
 from orchestrator.bounds import spec_size_error
 from orchestrator.credentials import check_call
 from orchestrator.http_tools import check_http_tools
@@ -18,17 +16,6 @@ from orchestrator.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from orchestrator.store import RunStore
-
-
-RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a run id names keys and a folder: a plain name only
-
-
-def run_id_error(run_id: object) -> str | None:
-    """Why ``run_id`` is refused, or None (``../x``, ``/etc``, ``a}b`` would reach past the
-    run's folder or its keys' hash tag)."""
-    if isinstance(run_id, str) and RUN_ID.fullmatch(run_id):
-        return None
-    return f"run_id: {run_id!r} must match [A-Za-z0-9_-]{{1,64}}"
 
 
 def bind_tenant(spec: RunSpec, tenant: str) -> RunSpec:
@@ -168,6 +155,15 @@ def _check_supervisor(spec: RunSpec, report: SpecReport) -> None:
     rules = spec.supervisor.rules if spec.supervisor else []
     if spec.token_budget is None and any(r.when == "budget_fraction" for r in rules):
         report.warnings.append("supervisor.rules: budget_fraction never fires without token_budget")
+
+
+def check_approval(report: SpecReport) -> None:
+    """``approval`` names only tools the run may call."""
+    spec = report.stored_spec
+    callable_names = set(spec.tools) | {t.name for t in spec.http_tools if not isinstance(t, str)}
+    unknown = [name for name in spec.approval if name not in callable_names]
+    if unknown:
+        report.errors.append(f"approval: {unknown} are not among the run's tools or http_tools")
 
 
 def _check_round_trip(report: SpecReport) -> None:

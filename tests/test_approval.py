@@ -231,3 +231,31 @@ def test_the_judge_flag_ignores_a_skewed_host_clock(deployment, spec, monkeypatc
     token = claim_judge(d.store, handle.run_id, 1, ttl_s=10)
     held = d.store.redis.hget(d.store.keys.supervisor(handle.run_id), JUDGE_FLAG).decode()
     assert token == held and before + 10_000 <= int(token.split(":")[0]) <= d.store.time_ms() + 10_000
+
+
+# -- issue 22, item 5: call ids are unique per run --------------------------------------
+def test_duplicate_call_ids_are_made_unique_and_decided_apart(client, worker, spec, model_server):
+    """A model may repeat a call id (in one reply, or across turns). Each call gets an id of
+    its own in the run when the reply is recorded (the first keeps the model's), approvals
+    are addressed by it, and the tool message keeps the model's id. Before, both gated calls
+    were "dup": `approve dup` decided whichever parked last, the other waited 24 h."""
+    s = spec([tools(call("guarded_append", {"text": "one"}, call_id="dup"),
+                    call("guarded_append", {"text": "two"}, call_id="dup")),
+              tools(call("add", {"a": 1, "b": 2}, call_id="dup")),
+              {"content": "done"}], tools=["guarded_append", "add"])  # fmt: skip
+    handle = client.submit(s)
+    waiting = _pending(handle, 2)
+    ids = sorted(w["call_id"] for w in waiting)
+    assert len(set(ids)) == 2 and "dup" in ids, ids  # the reply's first call keeps the model's id
+    other = next(i for i in ids if i != "dup")
+    assert handle.approve(other) == "ok"
+    assert [w["call_id"] for w in handle.pending_approvals()] == ["dup"]  # the other one still waits
+    assert handle.deny("dup", reason="not this one") == "ok"
+    result = handle.wait(timeout=60)
+    assert result.status == Status.completed, result.error
+    first, second, added = result.tool_calls
+    assert (first.call_id, first.success, first.error) == ("dup", False, "Denied: not this one")
+    assert (second.call_id, second.success) == (other, True) and _effects(handle.run_id) == ["two"]
+    assert added.output == 3 and added.call_id not in ("dup", other)  # unique across turns too
+    seen = model_server.calls(s["model"])[2]["messages"]
+    assert [m["tool_call_id"] for m in seen if m["role"] == "tool"] == ["dup", "dup", "dup"]  # the model's

@@ -224,3 +224,39 @@ def test_compaction_of_a_history_no_longer_ours_is_refused_but_billed(client, wo
     assert (result.tokens_compaction, result.tokens_used) == (14, 30 + 14)  # spent all the same
     assert store.compact(run.run_id, 2, n + 1, 1, 1, summary, 7, 0.0, "threshold", False) == "ended"
     assert store.result(run.run_id).tokens_compaction == 21
+
+
+# -- issue 22, item 10: every model call of a turn within its lease --------------------------
+def test_slow_model_calls_around_a_compaction_keep_the_turns_lease(client, worker, spec, model_server, store):
+    """A turn whose reply is refused (context window), compacted with a slow summary, then
+    answered slowly makes three model calls, each near its timeout. The turn's bound counted
+    one: past it the heartbeat stopped, the sweeper sent the turn again, and the model was
+    asked (and billed) twice. Each model call now re-arms the bound."""
+    import time
+
+    delay, timeout = 6.5, 8.0  # each call within its timeout; together past one call's bound + lease
+    too_long = {"status": 400, "error": "This model's maximum context length is 8192 tokens. However, "
+                "your messages resulted in 9000 tokens.", "code": "context_length_exceeded"}  # fmt: skip
+
+    def step(request: dict[str, Any]) -> dict[str, Any]:
+        last = request["messages"][-1]
+        if last["role"] != "tool":  # the task: two quick tool turns make a history to compact
+            return {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}
+        if last["content"] == "2" and sum(m["role"] == "tool" for m in request["messages"]) == 1:
+            return {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]}
+        time.sleep(delay)  # the slow turn: refused once (after the delay), then answered
+        return {"content": "done", "fail": [too_long]}
+
+    s = spec([step], tools=["add"], model_params={"timeout": timeout, "num_retries": 0})
+    name = s["model"].removeprefix("openai/")
+    model_server.summaries[name] = {"content": "SUMMARY", "tokens": 7, "delay": delay}
+    run = client.submit(s)
+    result = run.wait(timeout=120)
+    assert (result.status, result.content) == (Status.completed, "done"), result.error
+    [event] = compactions(store, run.run_id)
+    assert event.reason == "context_window"
+    slow = [r for r in model_server.turn_requests(s["model"]) if r["messages"][-1].get("content") == "4"]
+    events = [e.type for e in store.read_events(run.run_id, "0", count=10_000)]
+    assert len(slow) == 2 and "discarded" not in events, (len(slow), events)  # refused, then answered: once
+    assert len(model_server.summary_requests(s["model"])) == 1
+    assert (result.tokens_compaction, result.tokens_used) == (7, 30 * 3 + 7)  # three replies, billed once

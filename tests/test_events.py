@@ -18,8 +18,10 @@ WHEN = datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC)
 # Each type's fields as the Lua scripts write them (strings), and what the reader gets.
 SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "queued": ({}, {}),
-    "iteration": ({"iteration": "3", "tool_calls": "2", "tokens_used": "90", "corrected": "1"},
-                  {"iteration": 3, "tool_calls": 2, "tokens_used": 90, "corrected": True}),
+    "iteration": ({"iteration": "3", "tool_calls": "2", "tokens_used": "90", "corrected": "1",
+                   "cost_usd": "0.0012"},
+                  {"iteration": 3, "tool_calls": 2, "tokens_used": 90, "corrected": True,
+                   "cost_usd": 0.0012}),
     "tool_call": ({"iteration": "3", "tool": "add", "success": "0"},
                   {"iteration": 3, "tool": "add", "success": False}),
     "control": ({"action": "steer_applied", "count": "2"},

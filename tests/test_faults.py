@@ -516,3 +516,30 @@ def test_a_running_run_whose_spec_stops_parsing_ends_on_error(deployment, spec, 
     assert len(model_server.calls(bad_spec["model"])) == 1  # never called again on a bad spec
     assert healthy.wait(timeout=40).content == "recovered"
     assert time.monotonic() - killed_at < 6 + 15  # within TOOLOOP_RECOVERY_S, plus slack
+
+
+# -- a tool worker without TOOLOOP_SECRET_KEY (issue 22, item 6) ------------------------------
+def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deployment, spec):
+    """Arguments holding a secret travel sealed; a tool worker without the key cannot open
+    them. Before, the error was raised outside the call's handling: the call was sent again
+    as lost until its attempts were spent and the run ended on a misleading "worker lost".
+    Now the call is recorded failed with the SecretError at once (the gated one too, without
+    asking a person), the model is told, and doctor names the worker that lacks the key."""
+    from orchestrator.doctor import diagnose
+
+    d = deployment(TOOLOOP_RECOVERY_S="3")  # a quick sweeper: the old crash loop ended in seconds
+    d.start_worker("-Q", "turns", "-c", "1", roles=("turns",))  # seals with the key
+    keyless = d.start_worker("-Q", "tools", "-c", "1", roles=("tools",), env={"TOOLOOP_SECRET_KEY": ""})
+    secret = "password=hunter2hunter2"
+    s = spec([tools(call("append_line", {"text": secret}), call("guarded_append", {"text": secret})),
+              {"content": "told"}], tools=["append_line", "guarded_append"])  # fmt: skip
+    handle = d.client.submit(s)
+    result = handle.wait(timeout=60)
+    assert (result.status, result.content) == (Status.completed, "told"), result.error
+    for record in result.tool_calls:
+        assert not record.success and record.error.startswith("SecretError: "), record.error
+        assert "TOOLOOP_SECRET_KEY" in record.error and "hunter2" not in record.error
+    assert not (run_dir(handle.run_id) / "effects.txt").exists()  # nothing ran
+    workers = diagnose(d.store)["workers"]
+    assert workers[f"tools@{keyless.name}"]["secret_key"] is False
+    assert workers[f"turns@{d.workers[0].name}"]["secret_key"] is True

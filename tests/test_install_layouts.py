@@ -231,6 +231,13 @@ def test_editable_install_in_a_fresh_venv(wheelhouse: Path, home: Path, spec) ->
 def test_wheel_install_in_a_fresh_venv(wheelhouse: Path, home: Path, spec) -> None:
     venv = make_venv(wheelhouse, home / "venv", sys.executable, editable=False)
     assert not (next((venv / "lib").glob("python3*")) / "site-packages" / "worker").is_symlink()
+    # the run console's templates and static files come with the wheel (package data)
+    console = "from importlib.resources import files; c = files('orchestrator') / 'console'; print(" \
+        "all((c / f).is_file() for f in ('templates/run.html', 'templates/runs.html', 'static/console.js', " \
+        "'static/console.css')))"
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", console], capture_output=True, text=True,
+                           cwd=str(home), env=_no_pythonpath(), timeout=60)  # fmt: skip
+    assert found.stdout.strip() == "True", found.stderr
     run_layout(venv, home, None, spec)
 
 

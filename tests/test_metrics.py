@@ -173,3 +173,25 @@ def test_the_observability_page_names_every_metric() -> None:
     page = (ROOT / "docs" / "observability.md").read_text()
     named = {re.sub(r"_total$", "", n) for n in re.findall(r"`(tooloop_\w+)`", page)}
     assert counted | fleet == named
+
+
+def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec) -> None:
+    """kombu's passive ``queue_declare`` asks ``EXISTS`` without the broker's key prefix, so
+    it found no queue and doctor said 0 whatever waited: count the lists themselves."""
+    from orchestrator.doctor import diagnose
+
+    d = deployment()  # no worker: what is sent stays queued
+    keys, r = d.store.keys, d.store.redis
+    for _ in range(2):
+        d.client.submit(spec([{"content": "never run"}]))
+    d.store.publish_worker(f"{d.prefix}-gone", {"tools": [{"name": "add"}]})
+    own, shared = keys.broker_prefix + keys.tool_queue_of("add"), keys.broker_prefix + keys.tool_queue
+    try:
+        r.lpush(own, "call-1", "call-2")
+        r.lpush(shared, "call-3")
+        report = diagnose(d.store)
+        assert report["queues"] == {keys.turn_queue: 2, keys.tool_queue: 3}  # the tools' own queues too
+        assert d.queued(keys.turn_queue) == 2  # worker.broker.queue_depths (the sweeper's, on AMQP)
+    finally:
+        r.delete(own, shared)
+        d.store.remove_worker(f"{d.prefix}-gone")

@@ -216,3 +216,57 @@ def test_limiter_shares_tokens_and_tenant_buckets(store):
     waits = aio.run(asyncio.wait_for(scenario(), 30))
     assert waits[:2] == [0.0, 0.0] and waits[4] == 0.0
     assert 1.5 <= waits[2] <= 2.0 and 1.5 <= waits[3] <= 2.0 and 32 <= waits[5] <= 34.5, waits
+
+
+def test_rate_limit_buckets_use_redis_time_not_the_hosts(store, monkeypatch):
+    """Two hosts share a 30 rpm bucket, one of them 5 minutes fast. With each host's clock
+    passed into the scripts, every turn of the clock looked like 5 minutes of refill (or
+    none): alternating, the hosts were admitted 100 of 100 requests. On Redis's clock the
+    bucket holds: its burst (30), plus what refills meanwhile."""
+    from orchestrator.settings import Settings
+    from worker import aio
+    from worker.ratelimit import Limiter, Limits, RateLimited
+
+    limits = Limits({"models": {"m": {"rpm": 30}}})
+    settings = Settings(key_prefix=f"{store.keys.prefix}-rl-{uuid.uuid4().hex[:6]}")
+    normal, fast = Limiter(settings, limits), Limiter(settings, limits)
+    real, skew = time.time, {"s": 0.0}
+    monkeypatch.setattr(time, "time", lambda: real() + skew["s"])
+
+    async def admitted(n: int) -> int:
+        count = 0
+        for i in range(n):
+            skew["s"] = 300.0 if i % 2 else 0.0  # the fast host asks every other time
+            try:
+                await (fast if i % 2 else normal).take("m", "acme", 1, may_defer=True)
+                count += 1
+            except RateLimited:
+                pass
+        return count
+
+    started = time.monotonic()
+    count = aio.run(asyncio.wait_for(admitted(100), 60))
+    refilled = (time.monotonic() - started) / 2  # 30 rpm: one request every 2 s
+    assert 30 <= count <= 30 + refilled + 1, count
+
+
+def test_a_retry_waits_for_rate_capacity_in_place_a_bounded_while(store):
+    """A retry or a fallback waited in place for as long as the bucket said (a minute at 1
+    rpm), outside any bound of the turn's lease; past MAX_WAIT_IN_PLACE_S it now goes back
+    to the queue like a first attempt (RateLimited: the turn is deferred)."""
+    from orchestrator.settings import Settings
+    from worker import aio
+    from worker.ratelimit import MAX_WAIT_IN_PLACE_S, Limiter, Limits, RateLimited
+
+    settings = Settings(key_prefix=f"{store.keys.prefix}-rl-{uuid.uuid4().hex[:6]}")
+    limiter = Limiter(settings, Limits({"models": {"m": {"rpm": 1}}}))  # the next request in ~60 s
+
+    async def retried() -> tuple[float, float]:
+        await limiter.take("m", "acme", 1, may_defer=False)
+        started = time.monotonic()
+        with pytest.raises(RateLimited) as refused:
+            await limiter.take("m", "acme", 1, may_defer=False)  # a retry: may not defer the turn itself
+        return time.monotonic() - started, refused.value.wait_s
+
+    took, wait_s = aio.run(asyncio.wait_for(retried(), MAX_WAIT_IN_PLACE_S / 2))
+    assert took < 2 and MAX_WAIT_IN_PLACE_S < wait_s <= 60, (took, wait_s)

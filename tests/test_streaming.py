@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -202,3 +203,59 @@ def test_live_view_shows_the_current_turns_text_not_event_lines():
     state.apply(text("2", "next turn"))
     assert (state.text, state.turn_streaming) == ("next turn", 2)
     assert event_line(text("2", 'a\n"b"')) == 'turn 2 text "a\\n\\"b\\""'
+
+
+# -- a slow or unreachable Redis ---------------------------------------------------------------
+def test_a_stalled_redis_never_holds_the_event_loop():
+    """The pieces of a streamed reply are written off the event loop, bounded: with a Redis
+    that accepts connections and never answers, the loop (every model call in flight in the
+    process) goes on; before, each piece blocked it for the client's socket timeout."""
+    import socket
+
+    import redis
+
+    from orchestrator.settings import Settings
+    from orchestrator.store import RunStore
+    from worker import aio
+    from worker.streaming import BATCH_MAX, DRAIN_S, PENDING_MAX, live_text, writer
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # the kernel completes each handshake; nobody ever reads or answers
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{hole.getsockname()[1]}/0", socket_timeout=1,
+                                  socket_connect_timeout=1, retry_on_timeout=False)  # fmt: skip
+    stalled = RunStore(client, Settings(key_prefix=f"{os.environ['TOOLOOP_KEY_PREFIX']}-stalled"))
+
+    async def scenario() -> tuple[float, float]:
+        loop, lags = asyncio.get_running_loop(), [0.0]
+
+        async def tick() -> None:
+            while True:
+                before = loop.time()
+                await asyncio.sleep(0.01)
+                lags.append(loop.time() - before - 0.01)
+
+        ticker = asyncio.ensure_future(tick())
+        started = time.monotonic()
+        stream = live_text(stalled, "r1", 1)
+        for i in range(0, 600, 20):  # ~30 deltas over ~1.2 s: two or three pieces
+            await stream(WORDS[i : i + 20])
+            await asyncio.sleep(0.04)
+        await stream("")
+        ticker.cancel()
+        return max(lags), time.monotonic() - started
+
+    text_writer = writer(stalled)
+    try:
+        worst_lag, took = aio.run(asyncio.wait_for(scenario(), 60))
+        # bounded: past PENDING_MAX waiting (and the batch being written) a piece is dropped
+        started = time.monotonic()
+        sent = [text_writer.send("r2", 1, "x") for _ in range(PENDING_MAX + BATCH_MAX + 50)]
+        queued_s = time.monotonic() - started
+    finally:
+        text_writer.close()
+        hole.close()
+    print(f"worst loop lag {worst_lag:.3f}s, reply streamed in {took:.2f}s, queued in {queued_s:.3f}s")
+    assert worst_lag < 0.5, worst_lag  # a socket timeout (1 s) per piece before
+    assert took < 3 * DRAIN_S + 3, took  # the end of the reply waits for its text a bounded while
+    assert sent.count(None) >= 50 and text_writer.dropped >= 50 and queued_s < 1.0, queued_s

@@ -110,13 +110,19 @@ def heartbeat_s(lease_s: float) -> int:
 
 
 def queue_depths(app: Any, names: list[str]) -> dict[str, int | None]:
-    """Messages waiting in each queue, whatever the broker (None: not declared yet)."""
+    """Messages waiting in each queue, whatever the broker (None: not declared yet, AMQP).
+
+    On Redis a queue is a list per priority: kombu's *passive* declare checks ``EXISTS``
+    without the transport's ``global_keyprefix`` (kombu 5.7), so it never found ours and
+    every queue read as empty. A plain declare there only notes the queue in the channel
+    and counts the prefixed lists (``LLEN``), every priority included."""
+    passive = is_amqp(app.conf.broker_url or "")
     depths: dict[str, int | None] = {}
     with app.connection_for_read() as conn:
         for name in names:
             channel = conn.channel()  # a channel per look: AMQP closes it on a missing queue
             try:
-                depths[name] = channel.queue_declare(name, passive=True).message_count
+                depths[name] = channel.queue_declare(name, passive=passive).message_count
             except conn.channel_errors:  # never declared (Redis: no message waiting)
                 depths[name] = None
             finally:

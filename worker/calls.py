@@ -62,6 +62,7 @@ def view(spec: RunSpec, stored: dict[str, Any]) -> dict[str, Any]:
     name, http = stored["tool"], declared(spec)
     return {
         **message(stored),
+        "model_call_id": stored.get("model_call_id"),  # set when the model repeated a call id
         "arguments": protect.open_arguments(stored.get("arguments") or "{}", spec.tenant),
         "allowed": name in spec.tools or name in http,
         "allowed_tools": [*spec.tools, *http],

@@ -33,6 +33,7 @@ from celery import signals
 from orchestrator import metrics
 from orchestrator.keys import CATALOG_REFRESH_S, SHARDS
 from orchestrator.models import Exit
+from orchestrator.settings import get_settings
 from orchestrator.store import Dispatch, Finish, Held, Recovery, RunStore
 from worker import broker
 
@@ -86,6 +87,17 @@ class InFlight:
         with self._lock:
             self._ensure_heartbeat(store)
             self._items[held] = time.monotonic() + (max_s if max_s is not None else float("inf"))
+
+    def extend(self, held: Held, max_s: float) -> bool:
+        """Beat ``held`` for ``max_s`` from now (its next bounded piece of work: a model call,
+        the record). False if it is beaten no longer (taken over, ended, past its time, or
+        released): it must not start more work."""
+        with self._lock:
+            until, now = self._items.get(held), time.monotonic()
+            if until is None or until < now:
+                return False
+            self._items[held] = now + max_s
+            return True
 
     def release(self, held: Held) -> None:
         with self._lock:
@@ -377,7 +389,8 @@ def worker_info(queues: list[str], tools: list[dict[str, Any]],
 
     return {"queues": queues, "tools": tools, "host": socket.gethostname(), "pid": os.getpid(),
             "sandbox": layers(), "sandbox_off": layer_reasons(),
-            "mcp_unavailable": mcp_unavailable or {}}  # fmt: skip
+            "mcp_unavailable": mcp_unavailable or {},
+            "secret_key": bool(get_settings().secret_key)}  # fmt: skip  (whether, never which)
 
 
 # -- wiring into the Celery worker -----------------------------------------------

@@ -49,7 +49,7 @@ def tool_result(payload: dict[str, Any], ok: bool, output: Any, error: str | Non
     error = scrub_text(cut_text(error, ERROR_MAX_CHARS)) if error else None
     clean_output = scrub_value(output) if ok else None
     content = cut_text(json.dumps(clean_output) if ok else f"Error: {error}", limit)
-    message: dict[str, Any] = {"role": "tool", "tool_call_id": payload["call_id"], "content": content}
+    message: dict[str, Any] = {"role": "tool", "tool_call_id": model_call_id(payload), "content": content}
     if not payload.get("scrub_model_input", True) and ok:
         original = {"content": cut_text(json.dumps(output), limit)}
         message = _keep_original(message, original, payload.get("tenant", "default"))
@@ -61,6 +61,12 @@ def tool_result(payload: dict[str, Any], ok: bool, output: Any, error: str | Non
         error=error, iteration=payload["iteration"],
     )  # fmt: skip
     return record, json.dumps(message)
+
+
+def model_call_id(payload: dict[str, Any]) -> str:
+    """The id the model gave the call (its tool message answers that one); the record and
+    approvals use ``call_id``, the call's own in the run (they differ when the model repeated an id)."""
+    return payload.get("model_call_id") or payload["call_id"]
 
 
 def protect_arguments(arguments: str, tenant: str) -> str:

@@ -13,9 +13,14 @@ limit may be spent at once; by default a whole minute's worth.
 
 Each limit is a token bucket in Redis (``keys.rate_bucket``), refilled
 continuously; one Lua script takes from all the buckets of a request at once or
-from none, and says how long to wait. A turn that would wait long is handed back
-to the queue with a countdown (see ``worker/turn.py``) rather than holding a
-worker slot; a retry or a fallback waits in place.
+from none, and says how long to wait. Time is Redis's (``TIME``), never the
+caller's, as for leases: a host with a skewed clock, whose every call would look
+like minutes of refill (or none), cannot drain or overfill a shared bucket.
+
+A turn that would wait long is handed back to the queue with a countdown (see
+``worker/turn.py``) rather than holding a worker slot; a retry or a fallback waits
+in place, at most ``MAX_WAIT_IN_PLACE_S`` (longer, it too goes back to the queue): each
+wait counts in the bound of the turn's model call (``worker/turn.py``, ``max_call_s``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -35,14 +39,20 @@ from orchestrator.keys import Keys
 from orchestrator.settings import Settings
 
 WAIT_IN_PLACE_S = 1.0  # a first attempt waiting longer than this defers the whole turn
+MAX_WAIT_IN_PLACE_S = 30.0  # a retry or fallback waiting longer than this defers it too
 
-# KEYS: buckets. ARGV: now (ms), then per bucket: refill per ms, capacity, amount.
+# Redis's clock, in ms (scripts replicate their effects: TIME is allowed before writes)
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
+
+# KEYS: buckets. ARGV: per bucket: refill per ms, capacity, amount.
 # Takes ``amount`` from every bucket, or from none: -> 0 | ms to wait until all have room.
-TAKE = """
-local now = tonumber(ARGV[1])
+TAKE = _NOW + """
 local levels, wait = {}, 0
 for i = 1, #KEYS do
-  local rate, cap, amount = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  local rate, cap, amount = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
   local st = redis.call('HMGET', KEYS[i], 'level', 'ts')
   local level = tonumber(st[1]) or cap
   local ts = tonumber(st[2]) or now
@@ -52,21 +62,21 @@ for i = 1, #KEYS do
 end
 if wait > 0 then return wait end
 for i = 1, #KEYS do
-  local rate, cap, amount = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  local rate, cap, amount = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
   redis.call('HSET', KEYS[i], 'level', levels[i] - amount, 'ts', now)
   redis.call('PEXPIRE', KEYS[i], math.ceil(cap / rate) + 60000)
 end
 return 0
 """
 
-# Settles a tokens bucket after the reply: KEYS[1]; ARGV: now, refill per ms, capacity, delta
+# Settles a tokens bucket after the reply: KEYS[1]; ARGV: refill per ms, capacity, delta
 # (tokens used beyond the estimate; negative gives back). The level may go below zero.
-SETTLE = """
-local now, rate, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+SETTLE = _NOW + """
+local rate, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local st = redis.call('HMGET', KEYS[1], 'level', 'ts')
 local level = tonumber(st[1]) or cap
 local ts = tonumber(st[2]) or now
-level = math.min(cap, level + math.max(0, now - ts) * rate) - tonumber(ARGV[4])
+level = math.min(cap, level + math.max(0, now - ts) * rate) - tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'level', math.min(cap, level), 'ts', now)
 redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate) + 60000)
 return 0
@@ -151,23 +161,27 @@ class Limiter:
 
     async def take(self, model: str, tenant: str, tokens: int, may_defer: bool) -> None:
         """Wait for one request of ``tokens`` (estimated) on the model's and the tenant's
-        buckets; ``RateLimited`` instead, when ``may_defer`` and the wait is long."""
+        buckets; ``RateLimited`` instead, when the wait is long (in all, past
+        ``WAIT_IN_PLACE_S`` when ``may_defer``: a first attempt; past ``MAX_WAIT_IN_PLACE_S``
+        for the others)."""
         buckets = self.limits.buckets(model, tenant)
         if not buckets:
             return
         _, take, _ = self._redis()
         keys = [self.keys.rate_bucket(b.scope) for b in buckets]
+        limit, waited = (WAIT_IN_PLACE_S if may_defer else MAX_WAIT_IN_PLACE_S), 0.0
         while True:
-            args: list[Any] = [_now_ms()]
+            args: list[Any] = []
             for b in buckets:
                 amount = 1 if b.unit == "requests" else min(tokens, b.limit.burst)
                 args += [b.limit.per_ms, b.limit.burst, amount]
             wait_s = int(await take(keys=keys, args=args)) / 1000
             if wait_s <= 0:
                 return
-            if may_defer and wait_s > WAIT_IN_PLACE_S:
+            if waited + wait_s > limit:  # in all: others may take what refilled meanwhile
                 raise RateLimited(wait_s, ", ".join(b.scope for b in buckets))
             await asyncio.sleep(wait_s)
+            waited += wait_s
 
     async def settle(self, model: str, tenant: str, estimated: int, used: int) -> None:
         """Charge the tokens buckets what the reply really used beyond the estimate."""
@@ -176,7 +190,7 @@ class Limiter:
             if b.unit == "tokens" and used != estimated:
                 delta = used - min(estimated, b.limit.burst)
                 await settle(keys=[self.keys.rate_bucket(b.scope)],
-                             args=[_now_ms(), b.limit.per_ms, b.limit.burst, delta])  # fmt: skip
+                             args=[b.limit.per_ms, b.limit.burst, delta])  # fmt: skip
 
 
 _limiters: dict[tuple[str, str, str], Limiter] = {}
@@ -191,7 +205,3 @@ def limiter_for(settings: Settings) -> Limiter | None:
     if key not in _limiters:
         _limiters[key] = Limiter(settings, limits)
     return _limiters[key]
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

@@ -13,6 +13,8 @@ from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
 from orchestrator.models import SandboxPolicy, ToolCallRecord
+from orchestrator.secrets import SecretError
+from orchestrator.settings import get_settings
 from orchestrator.store import CallStart, Held, RunStore, new_owner
 from worker import calls, protect
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
@@ -43,7 +45,8 @@ class ToolCall:
     def run(self) -> None:
         start = self._start()
         if start.verdict == "gate":
-            self._bind(start)
+            if not self._bind(start, owner=""):  # not started: recorded for nobody
+                return
             if not self._approved():
                 return
             start = self._start(approved=True)
@@ -60,7 +63,8 @@ class ToolCall:
         if start.verdict not in ("ok", "lost"):  # done, busy, paused, ended, stale, gave_up
             log.debug("call %s/%s skipped: %s", self.p["run_id"], self.p["key"], start.verdict)
             return
-        self._bind(start)
+        if not self._bind(start, owner=self.held.owner):
+            return
         try:
             # The process's heartbeat thread keeps the lease while the result is read, scrubbed
             # and recorded too (the call's own wait loop beats only while the tool runs).
@@ -87,12 +91,23 @@ class ToolCall:
             here.idempotent if here else True, approved,
         )  # fmt: skip
 
-    def _bind(self, start: CallStart) -> None:
-        """Everything the call may do, from the stored spec and the stored call."""
+    def _bind(self, start: CallStart, owner: str) -> bool:
+        """Everything the call may do, from the stored spec and the stored call. False when
+        its sealed arguments do not open here (this worker has no TOOLOOP_SECRET_KEY, or
+        another one): the call is recorded failed at once, as ``owner``. Sending it again
+        would fail the same way on this worker, and end as a "lost" call."""
         assert start.spec is not None and start.call is not None
-        self.p = calls.view(start.spec, start.call)
+        try:
+            self.p = calls.view(start.spec, start.call)
+        except SecretError as exc:
+            self.p = calls.view(start.spec, {**start.call, "arguments": ""})  # never opened
+            log.error("call %s/%s: its sealed arguments do not open on this worker: %s", self.p["run_id"],
+                      self.p["key"], exc)  # fmt: skip
+            self.record(CallOutcome(False, error=f"SecretError: {sealed_error(exc)}"), None, owner=owner)
+            return False
         self.http = self.p["http_tool"]
         self.tool = REGISTRY.get(self.p["tool"]) if self.p["allowed"] else None
+        return True
 
     def _approved(self) -> bool:
         """A gated call runs once a person approved it; until then it is parked, and no
@@ -225,6 +240,13 @@ class ToolCall:
         return f"UnknownTool: no tool named {name!r} is available (tools: {allowed})"
 
 
+def sealed_error(exc: SecretError) -> str:
+    """What the model and the record say about arguments that do not open here."""
+    why = ("this tool worker has no TOOLOOP_SECRET_KEY" if not get_settings().secret_key
+           else f"they do not open with this tool worker's TOOLOOP_SECRET_KEY ({exc})")  # fmt: skip
+    return f"the call's arguments hold a secret and travel sealed; {why}: the call was not run"
+
+
 def _brief(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
@@ -239,7 +261,7 @@ def unroutable(store: RunStore, payload: dict[str, Any], gen: int, celery_app: A
     record = ToolCallRecord(call_id=payload["call_id"], tool_name=payload["tool"],
                             inputs=_parse(payload.get("arguments")), success=False, error=error,
                             iteration=payload["iteration"])  # fmt: skip
-    message = {"role": "tool", "tool_call_id": payload["call_id"], "content": f"Error: {error}"}
+    message = {"role": "tool", "tool_call_id": protect.model_call_id(payload), "content": f"Error: {error}"}
     verdict, next_gen = store.record_call(payload["run_id"], payload["iteration"], payload["index"],
                                           "", record, json.dumps(message), gen=gen)  # fmt: skip
     log.warning("call %s/%s: %s (%s)", payload["run_id"], payload["key"], error, verdict)

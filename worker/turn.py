@@ -33,10 +33,10 @@ from worker.calls import stored_call
 from worker.maintenance import INFLIGHT, with_retries
 from worker.middleware import Chain, CostBudget, IterationCap, Middleware, TokenBudget, TurnContext
 from worker.observe import ModelTelemetry, TurnTelemetry
-from worker.ratelimit import RateLimited, limiter_for
+from worker.ratelimit import MAX_WAIT_IN_PLACE_S, RateLimited, limiter_for
 from worker.registry import REGISTRY, function_schema
 from worker.steps import Correct, RunTools, ToolRequest, decide
-from worker.streaming import TextStream
+from worker.streaming import TextStream, live_text
 from worker.supervision import Supervision
 
 log = get_task_logger(__name__)
@@ -46,18 +46,24 @@ MIDDLEWARE: list[Middleware] = [
     TurnTelemetry(), IterationCap(), TokenBudget(), CostBudget(), Supervision(), ModelTelemetry(),
 ]  # fmt: skip
 CATALOG_CACHE_S = 5.0
-TURN_SLACK_S = 5.0  # hooks, tool schemas and the record, around the model calls
-TURN_SOFT_LIMIT_S = 3600.0  # a backstop where Celery enforces limits (prefork); see max_turn_s
+TURN_SLACK_S = 5.0  # hooks, tool schemas and the record, around a model call
+TURN_SOFT_LIMIT_S = 3600.0  # a backstop where Celery enforces limits (prefork); see max_call_s
 
 
-def max_turn_s(spec: RunSpec) -> float:
-    """How long a turn may hold its lease: each model call it may make (its retries and
-    fallbacks, each cut at ``model_params.timeout``) plus slack. Past it the heartbeat
+def max_call_s(spec: RunSpec, limited: bool = False) -> float:
+    """How long a turn may hold its lease for one model call: its attempts (each cut at
+    ``model_params.timeout``), the backoff between them and, with rate limits (``limited``),
+    each attempt's wait for capacity in place, for the model and each fallback; plus slack.
+
+    A turn makes several model calls (a compaction's summary, the reply, a second reply
+    after the provider refused the history as too long), so the bound is re-armed when
+    each one starts (``Turn.arm``), and once more for the record. Past it the heartbeat
     stops, the lease lapses, the sweeper sends the turn again and the attempts cap ends
     it: a model call that never returns cannot hold a run (threads pools ignore Celery's
     time limits, and a thread blocked in I/O cannot be interrupted)."""
     timeout, retries = llm.timeout_and_retries(spec.model_params)
-    per_model = timeout * (1 + retries) + llm.BACKOFF_CAP_S * retries
+    wait = MAX_WAIT_IN_PLACE_S if limited else 0.0
+    per_model = (timeout + wait) * (1 + retries) + llm.BACKOFF_CAP_S * retries
     return per_model * (1 + len(spec.fallbacks or [])) + TURN_SLACK_S
 
 
@@ -92,7 +98,7 @@ def start_turn(store: RunStore, run_id: str, iteration: int, gen: int = 0) -> Fu
         log.debug("turn %s/%d skipped: %s", run_id, iteration, claim)
         return None
     held = Held(run_id, "turn", "", owner, iteration)
-    INFLIGHT.add(store, held, max_s=max_turn_s(claim.spec))
+    INFLIGHT.add(store, held, max_s=max_call_s(claim.spec, limiter_for(store.settings) is not None))
     future = None
     try:
         work = Turn(store, held, claim)
@@ -172,7 +178,7 @@ class Turn:
             await aio.in_thread(self.defer, exc.wait_s)
             return
         except Superseded as exc:
-            log.info("turn %s/%d given up after compaction: %s", self.ctx.run_id, self.ctx.iteration, exc)
+            log.info("turn %s/%d given up: %s", self.ctx.run_id, self.ctx.iteration, exc)
             return
         except BudgetSpent as exc:
             await aio.in_thread(self._finish, exc.end)  # like a budget spent at the top of the turn
@@ -187,6 +193,7 @@ class Turn:
         await aio.in_thread(self.decide_and_act, reply)
 
     def decide_and_act(self, reply: llm.Reply) -> None:
+        INFLIGHT.extend(self.held, self.store.settings.lease_s + TURN_SLACK_S)  # the record's retries
         too_large = protect.oversized(reply.message)
         self.act(too_large or decide(reply.message, self.spec, self.ctx.iteration, self.corrections), reply)
 
@@ -202,7 +209,15 @@ class Turn:
                 raise
         return await self.call(self.ctx.messages)
 
+    def arm(self) -> None:
+        """Before each model call: the turn's lease is kept for this call's bound, from now
+        (``max_call_s``). ``Superseded`` when it is kept no longer (taken over, or ended)."""
+        limited = limiter_for(self.store.settings) is not None
+        if not INFLIGHT.extend(self.held, max_call_s(self.spec, limited)):
+            raise Superseded("the turn's lease is no longer held")
+
     async def call(self, messages: list[dict[str, Any]]) -> llm.Reply:
+        self.arm()
         return await llm.acomplete(self.spec.model, protect.model_view(messages, self.spec), self.tools,
                                    self.spec.model_params, self.spec.tenant, self.spec.fallbacks,
                                    on_text=self.live_text(),
@@ -212,8 +227,7 @@ class Turn:
         """With ``stream: true``, the reply's text goes to watchers as it arrives."""
         if not self.spec.model_params.get("stream"):
             return None
-        run_id, iteration = self.ctx.run_id, self.ctx.iteration
-        return TextStream(lambda text: self.store.text_event(run_id, iteration, text))
+        return live_text(self.store, self.ctx.run_id, self.ctx.iteration)
 
     async def compact(self, reason: str) -> bool:
         """Summarise older messages when the history is past its threshold (or the provider
@@ -226,6 +240,7 @@ class Turn:
         if not forced and not compaction.needed(messages, self.spec):
             return False
         keep = compaction.forced_keep(messages) if forced else compaction.keep_for(messages, self.spec)
+        self.arm()
         done = await compaction.acompact(messages, self.spec, keep, gate=limiter_for(self.store.settings))
         if done is None:
             return False
