@@ -93,6 +93,7 @@ SMOKE = frozenset({
     "test_events.py::test_unknown_or_misfit_events_reach_readers_as_plain_events",
     "test_security.py::test_sealed_key_opens_only_for_its_tenant",
     "test_metrics.py::test_a_scrape_after_a_run_shows_the_counters_moved",
+    "test_console.py::test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn",
 })  # fmt: skip
 
 
@@ -111,9 +112,9 @@ SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_
                            "site"})  # fmt: skip
 # A test that runs a suite of its own in a subprocess.
 NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})
-# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse, an MCP host): the tests
-# that use one run in a single xdist process, so it is set up once per session.
-SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse", "mcp_shared"})
+# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse, an MCP host,
+# Chromium): the tests that use one run in a single xdist process, so it is set up once.
+SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse", "mcp_shared", "browser"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
