@@ -10,6 +10,7 @@ import uuid
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPError
+from sandbox_probe import battery  # (tests/, this script's folder)
 
 server = MCPServer("testing")
 INSTANCE = uuid.uuid4().hex  # tells one server process from another
@@ -59,6 +60,12 @@ def write_note(text: str) -> str:
     with open("note.txt", "w") as f:
         f.write(text)
     return os.path.abspath("note.txt")
+
+
+@server.tool()
+def probe(targets: dict) -> dict:
+    """A hostile tool's attempts from inside the server (tests/sandbox_probe.py)."""
+    return battery(targets)
 
 
 @server.tool()
