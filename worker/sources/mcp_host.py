@@ -23,12 +23,14 @@ that call; the next call starts it again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,18 +59,22 @@ class Session:
     client: Any = None
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
+    stderr: StderrTail | None = None  # a stdio server's
 
     async def open(self, request: dict[str, Any], timeout_s: float) -> None:
         self.task = asyncio.create_task(self._hold(request))
         await asyncio.wait_for(self.opened.wait(), timeout_s)
         if self.client is None:
-            raise RuntimeError(f"cannot start: {_describe(self.error)}")
+            # what it said before it died: bubblewrap's message, an interpreter's traceback
+            said = await asyncio.to_thread(self.stderr.last) if self.stderr is not None else ""
+            raise RuntimeError(f"cannot start: {_describe(self.error)}" + (f": {said}" if said else ""))
 
     async def _hold(self, request: dict[str, Any]) -> None:
         from mcp import Client
 
+        self.stderr = StderrTail() if self.server.stdio else None
         try:
-            async with Client(_transport(self.server, request)) as client:
+            async with Client(_transport(self.server, request, self.stderr)) as client:
                 self.client = client
                 self.opened.set()
                 await self.stop.wait()
@@ -76,6 +82,8 @@ class Session:
             self.error = exc
         finally:
             self.client = None
+            if self.stderr is not None:
+                self.stderr.close()
             self.dead.set()
             self.opened.set()
 
@@ -86,14 +94,45 @@ class Session:
                 await asyncio.wait_for(asyncio.shield(self.task), 15)
 
 
-def _transport(server: McpServer, request: dict[str, Any]) -> Any:
+class StderrTail:
+    """A stdio server's stderr (its sandbox's, before it runs: bubblewrap's messages): passed
+    on to this host's stderr (the worker's log), its last lines kept for the error of a
+    server that could not start."""
+
+    def __init__(self) -> None:
+        read_fd, write_fd = os.pipe()
+        self.writer = os.fdopen(write_fd, "w")
+        self.lines: collections.deque[str] = collections.deque(maxlen=20)
+        self.pump = threading.Thread(target=self._pump, args=(read_fd,), daemon=True, name="mcp-stderr")
+        self.pump.start()
+
+    def _pump(self, read_fd: int) -> None:
+        with open(read_fd, errors="replace") as reader:
+            for line in reader:
+                sys.stderr.write(line)
+                self.lines.append(line.rstrip())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.writer.close()
+
+    def last(self) -> str:
+        """What it said, once its processes are gone (at most 1 s: a server that failed is)."""
+        self.close()
+        self.pump.join(1.0)
+        return " / ".join(line for line in self.lines if line)[-2000:]
+
+
+def _transport(server: McpServer, request: dict[str, Any], stderr: StderrTail | None) -> Any:
     if server.stdio:
-        return _stdio(server, request)
+        assert stderr is not None
+        return _stdio(server, request, stderr)
     return _http(server)
 
 
-def _stdio(server: McpServer, request: dict[str, Any]) -> Any:
+def _stdio(server: McpServer, request: dict[str, Any], stderr: StderrTail) -> Any:
     from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
 
     from orchestrator.models import SandboxPolicy
     from worker.sandbox import SandboxContext, sandboxed_command
@@ -106,8 +145,9 @@ def _stdio(server: McpServer, request: dict[str, Any]) -> Any:
     )  # fmt: skip
     assert server.command is not None
     command = sandboxed_command([server.command, *server.args], ctx, server.env)
-    return StdioServerParameters(command=command.argv[0], args=command.argv[1:], env=command.env,
-                                 cwd=command.cwd)  # fmt: skip
+    params = StdioServerParameters(command=command.argv[0], args=command.argv[1:], env=command.env,
+                                   cwd=command.cwd)  # fmt: skip
+    return stdio_client(params, errlog=stderr.writer)
 
 
 class EnvHeaders(httpx2.Auth):
