@@ -150,16 +150,16 @@ def _start(layer: str, user: str, base: str, mcp: tuple[str, dict[str, str]]) ->
 
 
 @pytest.fixture(scope="module")
-def cells(model_server: Any) -> Iterator[dict[tuple[str, str], Cell | str]]:
-    """A worker per (layer, user) that can run here, started together; else why not."""
+def cells(request: pytest.FixtureRequest, model_server: Any) -> Iterator[dict[tuple[str, str], Cell | str]]:
+    """A worker per (layer, user) this session runs (``-k`` may pick a few) that can run
+    here, all started together; else why not."""
     base = tempfile.mkdtemp(prefix="tooloop-matrix-")
     os.chmod(base, 0o755)
     mcp = _mcp_python()
     out: dict[tuple[str, str], Cell | str] = {}
-    for layer in LAYERS:
-        for user in USERS:
-            why = _skip_reason(layer, user) or (mcp if isinstance(mcp, str) else None)
-            out[layer, user] = why or _start(layer, user, base, mcp)  # type: ignore[arg-type]
+    for layer, user in _selected(request.session):
+        why = _skip_reason(layer, user) or (mcp if isinstance(mcp, str) else None)
+        out[layer, user] = why or _start(layer, user, base, mcp)  # type: ignore[arg-type]
     try:
         for key, cell in out.items():
             if isinstance(cell, Cell):
@@ -175,6 +175,13 @@ def cells(model_server: Any) -> Iterator[dict[tuple[str, str], Cell | str]]:
             if cell.sandbox_root != os.environ["TOOLOOP_SANDBOX_ROOT"]:
                 shutil.rmtree(cell.sandbox_root, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _selected(session: pytest.Session) -> list[tuple[str, str]]:
+    """The (layer, user) cells among the session's tests."""
+    ours = [item for item in session.items if getattr(item, "module", None) is sys.modules[__name__]]
+    params = [getattr(item, "callspec", None) for item in ours]
+    return sorted({(p.params["layer"], p.params["user"]) for p in params if p is not None})
 
 
 def _ready(cell: Cell) -> Cell | str:

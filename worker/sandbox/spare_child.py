@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from worker.sandbox.child import _confine, _detach, _enter, _Facts, _handlers, _limits, _report, _serve
 from worker.sandbox.constants import REQUEST_FD, RESULT_FD
+from worker.sandbox.env import _clearenv
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 
@@ -27,6 +28,7 @@ def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
     fds = [int(n) for n in os.listdir("/proc/self/fd")]
     facts = _Facts(fds=fds, handlers=_handlers(os.getpid()), limits=[])
     kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
+    _clearenv()  # looked up once here, not in each spare (scrub)
     pid = os.fork()
     if pid == 0:  # child: never returns
         for fd in close:
