@@ -368,6 +368,21 @@ def test_every_folder_of_runs_is_hidden_under_bwrap(bwrap_layer: Layer, var_tmp_
     assert layer.ok(hostile.append_text, run=mine, name="mine.txt", text="ok", allow=allow) == "ok"
 
 
+def test_an_allowed_root_in_a_closed_home_works_under_bwrap(bwrap_layer: Layer, var_tmp_root: str) -> None:
+    """An allowed root in a home its owner keeps closed (0750): the call's uid may not search
+    the way to its folder on the host; under bwrap that home is an empty tmpfs with the way
+    down made again (outside bwrap the built-ins, which use the absolute path, cannot)."""
+    home = Path(var_tmp_root)  # not an allowed root itself: only its work/ is
+    home.chmod(0o750)
+    if IS_ROOT:  # (someone else's)
+        os.chown(home, OTHER_USER, OTHER_USER)
+    (home / "work").mkdir()
+    folder = str(home / "work" / "proj")
+    out = bwrap_layer.ok(builtins.shell, run=folder, sandbox_root=folder, command="pwd; ls ..",
+                         allow=(str(home / "work"),))  # fmt: skip
+    assert out == {"exit_code": 0, "stdout": f"{folder}\nproj\n", "stderr": ""}, out
+
+
 def test_a_call_that_cannot_start_says_why(layer: Layer, monkeypatch, caplog) -> None:
     """A call whose sandbox fails before the tool runs (bubblewrap cannot make a mount, the
     interpreter dies at start) is a ``SandboxError`` with the message of what failed, not

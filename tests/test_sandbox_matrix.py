@@ -22,6 +22,7 @@ Cost: one worker per (layer, user), all started at once for the module; a cell ~
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -252,7 +253,8 @@ def _steps(cell: Cell, folder: str, other: str, tag: str, given: bool) -> list:
     both = [os.path.join(folder, "secret.txt"), os.path.join(other, "secret.txt")]
 
     def attack(request: dict) -> dict:
-        wait_for(lambda: all(os.path.exists(p) for p in both), timeout=240)  # (the other run's turn 1)
+        with contextlib.suppress(AssertionError):  # (the other run's turn 1 failed: its record says why)
+            wait_for(lambda: all(os.path.exists(p) for p in both), timeout=120)
         return tools(*second)
 
     return [tools(call("write_file", {"path": "secret.txt", "content": f"secret-{tag}"}),
@@ -287,8 +289,9 @@ def test_every_tool_runs_and_is_contained(cells, model_server, layer: str, user:
 
 def _check_cell(cell: Cell, where: str, result: Any, folder: str, other: str, tag: str, given: bool) -> None:
     targets = _targets(cell, folder, other, tag)
-    first = sorted(r.output for r in result.tool_calls if r.iteration == 1)
-    assert first == sorted([len(f"secret-{tag}"), len(f"notes-{tag}")]), (where, result.tool_calls)
+    first = [r for r in result.tool_calls if r.iteration == 1]
+    assert [r.error for r in first if not r.success] == [], where  # the run's files written (turn 1)
+    assert sorted(r.output for r in first) == sorted([len(f"secret-{tag}"), len(f"notes-{tag}")]), where
     by_name: dict[str, list[Any]] = {}
     for r in result.tool_calls:
         if r.iteration == 2:

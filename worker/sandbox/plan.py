@@ -4,6 +4,7 @@ command line included)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import pwd
@@ -162,7 +163,8 @@ def _bwrap_argv(plan: _Plan, roots: tuple[str, ...]) -> list[str]:
     if not plan.policy.network:
         argv.append("--unshare-net")
     argv += _base_mounts(plan.quota)
-    masks, runs = _masks(), [r for r in roots if os.path.isdir(r)]  # (a root not made yet: nothing in it)
+    runs = [r for r in roots if os.path.isdir(r)]  # (a root not made yet: nothing in it)
+    masks = sorted({*_masks(), *_closed_above(plan.workdir, ("/tmp", *runs))})
     shows = _binds_under(["/tmp", *masks, *runs], plan.policy.network)
     mounts = [(p, 0, "--tmpfs") for p in masks] + [(p, 1, "--ro-bind") for p in shows]
     mounts += [(p, 2, "--tmpfs") for p in runs]  # (a run root that is a Python path: hidden all the same)
@@ -200,6 +202,20 @@ def _masks() -> list[str]:
     if os.path.isdir("/run") and not os.path.islink("/run"):
         masks.add("/run")
     return sorted(masks, key=lambda p: (p.count("/"), p))
+
+
+@lru_cache(maxsize=256)
+def _closed_above(workdir: str, hidden: tuple[str, ...]) -> tuple[str, ...]:
+    """The outermost folder on the way to the run's folder that the call's uid may not
+    search (a 0750 home holding an allowed root): hidden by a tmpfs, the way down made
+    again searchable, as for Python. What a tmpfs hides already (a run root) needs none."""
+    for folder in _ancestors(os.path.dirname(workdir)):
+        if any(_inside(folder, h) for h in hidden):
+            return ()
+        with contextlib.suppress(OSError):
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return (folder,)
+    return ()
 
 
 def _parents(path: str, masks: list[str]) -> list[str]:
