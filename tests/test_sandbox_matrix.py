@@ -17,7 +17,8 @@ A cell is one run, so one test per (layer, user) holds two runs at once, one per
 each the other's neighbour: turn 1 writes its files; turn 2 (once both runs' files are
 there) reads them back and makes every attempt (writes outside its folder, reads the other
 run's secret, TCP to Redis and the broker, the environment, 768 MiB under a 512 MiB limit).
-Cost: one worker per (layer, user), all started at once for the module; a cell ~10 s.
+Cost: one worker per (layer, user), all started at once for the module (~2.5 min at load 17
+on this 2-core box: litellm, Celery and the MCP host each); a cell ~18 s there.
 """
 
 from __future__ import annotations
