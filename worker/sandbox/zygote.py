@@ -6,7 +6,8 @@ and the copy-on-write faults of every page the worker then writes while the call
 process shares them (measured: tool pool CPU per tool-turn 27 ms with the fork, 6 ms
 with the call run in-process; ``docs/benchmarks.md``). So each pool process starts one
 fork server (``worker.sandbox.zygote.main``): a fresh interpreter that imports the
-worker's tool modules and the sandbox, and nothing of Celery, Redis or the settings.
+worker's tool modules and the sandbox, and nothing of Celery, Redis or the settings, with
+the environment allowlist alone (``env.py``): nothing of the worker's is in its memory.
 It forks the spare processes (``worker/sandbox/spare_child.py``) on request; the worker keeps
 watching, killing and decoding each call as before, and asks the server for the exit
 status of the processes it forked. Dies with its worker (``PR_SET_PDEATHSIG``), and the
