@@ -254,8 +254,9 @@ def _steps(cell: Cell, folder: str, other: str, tag: str, given: bool) -> list:
     both = [os.path.join(folder, "secret.txt"), os.path.join(other, "secret.txt")]
 
     def attack(request: dict) -> dict:
-        with contextlib.suppress(AssertionError):  # (the other run's turn 1 failed: its record says why)
-            wait_for(lambda: all(os.path.exists(p) for p in both), timeout=120)
+        # (the other run's turn 1 failed: its record says why; within the model call's 120 s)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: all(os.path.exists(p) for p in both), timeout=60)
         return tools(*second)
 
     return [tools(call("write_file", {"path": "secret.txt", "content": f"secret-{tag}"}),
@@ -281,17 +282,19 @@ def test_every_tool_runs_and_is_contained(cells, model_server, layer: str, user:
                 "tools": names, "tool_timeout_s": 120, "sandbox": {"memory_mb": MEMORY_MB},
                 **({"context": context} if context else {})}  # fmt: skip
         runs[folder] = (cell.client.submit(spec, run_id=default_id if not context else None), other, tag)
-    for folder, (handle, other, tag) in runs.items():
-        result = handle.wait(timeout=300)
-        where = f"{layer}/{user}/{'given' if folder == given else 'default'} folder"
-        assert result.status == "completed", (where, result)
-        _check_cell(cell, where, result, folder, other, tag, folder == given)
+    results = {folder: handle.wait(timeout=300) for folder, (handle, _, _) in runs.items()}
+    wheres = {default: f"{layer}/{user}/default folder", given: f"{layer}/{user}/given folder"}
+    for folder, result in results.items():  # first: did each run's files get written (turn 1)?
+        assert result.status == "completed", (wheres[folder], result)
+        failed = [r.error for r in result.tool_calls if r.iteration == 1 and not r.success]
+        assert failed == [], (wheres[folder], failed)
+    for folder, (_, other, tag) in runs.items():
+        _check_cell(cell, wheres[folder], results[folder], folder, other, tag, folder == given)
 
 
 def _check_cell(cell: Cell, where: str, result: Any, folder: str, other: str, tag: str, given: bool) -> None:
     targets = _targets(cell, folder, other, tag)
     first = [r for r in result.tool_calls if r.iteration == 1]
-    assert [r.error for r in first if not r.success] == [], where  # the run's files written (turn 1)
     assert sorted(r.output for r in first) == sorted([len(f"secret-{tag}"), len(f"notes-{tag}")]), where
     by_name: dict[str, list[Any]] = {}
     for r in result.tool_calls:
