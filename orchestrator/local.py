@@ -74,12 +74,14 @@ class WorkerProcess:
     """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot)."""
 
     def __init__(self, name: str, *args: str, env: dict[str, str] | None = None,
-                 log: Path | None = None, cwd: str | None = None) -> None:  # fmt: skip
+                 log: Path | None = None, cwd: str | None = None,
+                 wrap: list[str] | None = None) -> None:  # fmt: skip
+        """``wrap``: a launcher the worker's command line is given to (a sandbox, another user)."""
         self.name = name
         self.log = log or Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
+                [*(wrap or []), sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
                 env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
             )  # fmt: skip

@@ -112,9 +112,10 @@ SLOW_FIXTURES = frozenset({"worker", "deployment", "model_server", "spec", "aof_
                            "site"})  # fmt: skip
 # A test that runs a suite of its own in a subprocess.
 NOT_FAST = frozenset({"test_sandbox.py::test_the_hostile_suite_holds_under_docker_default_seccomp"})
-# Module fixtures costly to set up (workers, a six-node Redis Cluster, a wheelhouse, an MCP host,
-# Chromium): the tests that use one run in a single xdist process, so it is set up once.
-SHARED_MODULE_FIXTURES = frozenset({"sbx", "cluster", "wheelhouse", "mcp_shared", "browser"})
+# Module fixtures costly to set up (workers, the sandbox matrix's cells, a six-node Redis Cluster,
+# a wheelhouse, an MCP host, Chromium): the tests that use one run in a single xdist process, so
+# it is set up once.
+SHARED_MODULE_FIXTURES = frozenset({"sbx", "cells", "cluster", "wheelhouse", "mcp_shared", "browser"})
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tests.sandbox_probe import battery
 from worker import tool
 
 
@@ -59,6 +60,21 @@ def connect(host: str, port: int) -> str:
 def environment() -> dict:
     """The whole environment, looking for keys."""
     return dict(os.environ)
+
+
+@_both
+def c_environment() -> list[str]:
+    """The C library's own copy of the environment (``environ``), which a C extension's
+    ``setenv`` changes behind ``os.environ``'s back, and which programs started without an
+    explicit environment inherit."""
+    import ctypes
+
+    block = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    out, n = [], 0
+    while block and block[n] is not None:
+        out.append(block[n].decode(errors="replace"))
+        n += 1
+    return out
 
 
 @_both
@@ -267,3 +283,9 @@ def open_until_refused(limit: int = 5000) -> dict:
     for fd in held:
         os.close(fd)
     return {"opened": len(held), "error": error}
+
+
+@tool(sandbox="strict")
+def probe_strict(targets: dict) -> dict:
+    """A hostile tool's attempts, in a fresh interpreter (tests/sandbox_probe.py)."""
+    return battery(targets)

@@ -11,6 +11,7 @@ import uuid
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPError
+from sandbox_probe import battery  # (tests/, this script's folder)
 
 server = MCPServer("testing")
 INSTANCE = uuid.uuid4().hex  # tells one server process from another
@@ -73,6 +74,12 @@ def git(args: list[str]) -> dict:
     """Run git in the server's working folder (as mcp-server-git does, through git itself)."""
     done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, check=False)
     return {"code": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+
+
+@server.tool()
+def probe(targets: dict) -> dict:
+    """A hostile tool's attempts from inside the server (tests/sandbox_probe.py)."""
+    return battery(targets)
 
 
 @server.tool()

@@ -475,3 +475,40 @@ def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
 
     assert shown(doctor.stdout), doctor.stdout
     assert listed.returncode == 0 and "calc__add" in listed.stdout and shown(listed.stderr), listed.stderr
+
+
+def test_a_server_that_cannot_start_says_why(monkeypatch):
+    """Issue 29: a stdio server that dies at start, or whose sandbox cannot be made (here a
+    mount bubblewrap cannot make), fails the call with what it said on stderr (bubblewrap's
+    own message), not with the SDK's "Connection closed" alone."""
+    import uuid
+
+    from worker import sandbox
+    from worker.sources import mcp_host
+    from worker.sources.mcp_config import McpServer
+
+    marker = f"cannot-start-{uuid.uuid4().hex[:8]}"
+    host = mcp_host.Host([McpServer("dies", command="sh", args=("-c", f"echo {marker} >&2; exit 3"))])
+    runs = os.environ["TOOLOOP_SANDBOX_ROOT"]
+
+    def first_call(mode: str) -> str:
+        run_id = f"r-{uuid.uuid4().hex[:8]}"
+        request = {"server": "dies", "run_id": run_id, "tool": "x", "arguments": {}, "timeout_s": 30,
+                   "workdir": os.path.join(runs, run_id), "sandbox_root": runs, "mode": mode}  # fmt: skip
+        answer = asyncio.run(host.call(request))
+        assert not answer["ok"], answer
+        return answer["error"]
+
+    error = first_call("basic")
+    assert error.startswith("McpError") and marker in error, error
+    if not sandbox.layers("bwrap")["bwrap"]:
+        pytest.skip("bubblewrap does not work here: " + sandbox.host._host(probe=True).bwrap_error)
+    missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
+    bwrap_argv = sandbox.command._bwrap_argv
+
+    def broken(*args):  # a mount bubblewrap cannot make
+        return [*bwrap_argv(*args), "--ro-bind", missing, "/x"]
+
+    monkeypatch.setattr(sandbox.command, "_bwrap_argv", broken)
+    error = first_call("bwrap")
+    assert f"bwrap: Can't find source path {missing}" in error, error

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.bounds import cut_text
 from orchestrator.console.timeline import agent_of
-from orchestrator.scrub import scrub_text
 from orchestrator.keys import run_id_error
+from orchestrator.scrub import scrub_text
 
 if TYPE_CHECKING:
     from orchestrator.store import RunStore

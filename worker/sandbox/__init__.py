@@ -24,11 +24,12 @@ the deadline or when ``on_tick`` says the run is over.
 Modules, in the order a call meets them: ``plan`` (its layer, folder, environment and
 bwrap command line, from ``host`` and ``folders``), ``call`` (the worker's side: start,
 watch, kill, reap, decode), ``child`` (the call's own process), ``runner`` (the exec
-layers' fresh interpreter), ``spare`` (the next call's process, forked ahead), ``zygote``
-(the fork server that forks it, so that the worker does not), ``reaper``
-(orphans and uids), ``kernel`` (Landlock and seccomp), ``quota`` (the run folder's disk
-quota), ``forget`` (what a forked call drops of the worker's state); ``constants``,
-``context``, ``paths`` and ``libc`` hold what they say.
+layers' fresh interpreter), ``spare`` (the next call's process, forked ahead; ``spare_child``:
+that process's own side), ``zygote`` (the fork server that forks it, so that the worker
+does not), ``reaper`` (orphans and uids), ``kernel`` (Landlock and seccomp), ``quota`` (the
+run folder's disk quota), ``env`` (the environment allowlist), ``forget`` (what a forked
+call drops of the worker's state); ``constants``, ``context``, ``paths`` and ``libc`` hold
+what they say.
 """
 
 from worker.sandbox.call import run_call

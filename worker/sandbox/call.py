@@ -56,6 +56,7 @@ class _Call:
         self.status: int | None = None  # set when reaped while watching (no pidfd)
         self.clean = False  # ended the usual way: only zombies may be left to reap
         self.spare: _Spare | None = None  # the spare process that ran the call
+        self.stderr_fd: int | None = None  # exec layers: what bwrap or Python said before the tool ran
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
@@ -68,7 +69,7 @@ class _Call:
             if isinstance(started, CallOutcome):
                 return started
             read_fd = started
-        reader, stopped, pidfd, status = _Reader(), "interrupted", None, 0
+        reader, stopped, pidfd, status, stderr = _Reader(), "interrupted", None, 0, ""
         try:
             pidfd = _pidfd(self.pid)
             stopped = self._watch(read_fd, pidfd, reader)
@@ -78,24 +79,33 @@ class _Call:
                 _pending.append(lambda: self._cleanup(read_fd, pidfd, reader, before, None))
             else:
                 status = self._cleanup(read_fd, pidfd, reader, before, stopped)
+            if self.stderr_fd is not None:
+                stderr = _said(self.stderr_fd) if not reader.complete else ""
+                os.close(self.stderr_fd)
         if stopped:
             return CallOutcome(False, error=stopped)
-        return _decode(reader, status, self.plan.layer)
+        return _decode(reader, status, self.plan.layer, stderr)
 
     def _fork(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int | CallOutcome:
         """Fork the call's process now (no spare): its result pipe, or why it failed."""
         read_fd, write_fd = os.pipe()
+        err_r, err_w = os.pipe() if self.plan.layer != "fork" else (None, None)
         parent = os.getpid()
         facts = _facts(self.plan)
         try:
             self.pid = os.fork()
         except OSError as exc:
-            os.close(read_fd)
-            os.close(write_fd)
+            for fd in (read_fd, write_fd, err_r, err_w):
+                if fd is not None:
+                    os.close(fd)
             return CallOutcome(False, error=f"SandboxError: cannot start the call's process: {exc}")
         if self.pid == 0:  # child: never returns
-            _child(self.plan, facts, fn, kwargs, write_fd, parent)
+            _child(self.plan, facts, fn, kwargs, write_fd, parent, err_w)
         os.close(write_fd)
+        if err_w is not None:
+            os.close(err_w)
+            self.stderr_fd = err_r
+            os.set_blocking(err_r, False)
         return read_fd
 
     def _cleanup(self, read_fd: int, pidfd: int | None, reader: _Reader, before: set[int],
@@ -262,7 +272,9 @@ class _Reader:
         return json.loads(bytes(self.buf[8 : 8 + (self.size or 0)]))
 
 
-def _decode(reader: _Reader, status: int, layer: str) -> CallOutcome:
+def _decode(reader: _Reader, status: int, layer: str, stderr: str = "") -> CallOutcome:
+    """The call's outcome. ``stderr``: what its process wrote before the runner took over
+    (exec layers): bubblewrap's or the interpreter's own message, so the tool never ran."""
     try:
         payload = reader.payload()
     except ValueError:  # a tool that wrote on the result pipe itself
@@ -275,7 +287,35 @@ def _decode(reader: _Reader, status: int, layer: str) -> CallOutcome:
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     if layer == "bwrap" and code > 128:  # bwrap exits 128 + the signal that killed the tool
         signum, code = code - 128, 0
+    name = signal.Signals(signum).name if signum in set(signal.Signals) else str(signum)
+    if stderr:
+        how = f"died on {name}" if signum else f"exited {code}"
+        error = f"SandboxError: the tool could not start in the {layer} sandbox ({how}): {stderr}"
+        _log_once(error)
+        return CallOutcome(False, error=error)
     if signum:
-        name = signal.Signals(signum).name if signum in set(signal.Signals) else str(signum)
         return CallOutcome(False, error=f"Killed: tool process died on {name} (a limit?)")
     return CallOutcome(False, error=f"Crashed: tool process exited {code}")
+
+
+MAX_SAID = 2000  # characters of a failed start's message kept (its end: where the cause is)
+
+
+def _said(fd: int) -> str:
+    """What the call's process wrote on its stderr pipe before the runner closed it (the
+    pipe holds 64 KiB; the writer never blocks: its end is non-blocking)."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    return data.decode(errors="replace").strip()[-MAX_SAID:]
+
+
+_logged: set[str] = set()
+
+
+def _log_once(error: str) -> None:
+    """The worker's log says why calls cannot start once per cause, not once per call."""
+    if error not in _logged and len(_logged) < 256:
+        _logged.add(error)
+        log.warning("sandbox: %s", error)

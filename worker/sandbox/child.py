@@ -5,6 +5,7 @@ and the tool's result reported on RESULT_FD; or, for the exec layers, the runner
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from worker.sandbox.constants import MAX_RESULT_BYTES, RESULT_FD
 from worker.sandbox.context import SandboxError, jsonable
+from worker.sandbox.env import scrub
 from worker.sandbox.forget import forget_worker_state
 from worker.sandbox.kernel import apply as apply_kernel_layers
 from worker.sandbox.libc import _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_SET_PDEATHSIG, _libc
@@ -38,7 +40,6 @@ class _Facts:
 
     fds: list[int]  # the worker's open descriptors
     handlers: list[signal.Signals]  # signals with a handler of the worker's
-    env_drop: list[str]  # environment variables outside the allowlist
     limits: list[tuple[int, tuple[int, int]]]
 
 
@@ -47,15 +48,8 @@ def _facts(plan: _Plan) -> _Facts:
     return _Facts(
         fds=[int(n) for n in os.listdir("/proc/self/fd")] if fork else [],
         handlers=_handlers(os.getpid()),
-        env_drop=[k for k in _worker_env_keys(os.getpid()) if k not in plan.env] if fork else [],
         limits=_limits(plan.policy, nproc=os.geteuid() == 0, fork=fork, room=plan.room),
     )
-
-
-@lru_cache(maxsize=4)
-def _worker_env_keys(pid: int) -> tuple[str, ...]:
-    """The worker's environment does not change while it serves: listed once per process."""
-    return tuple(os.environ)
 
 
 @lru_cache(maxsize=4)
@@ -65,16 +59,17 @@ def _handlers(pid: int) -> list[signal.Signals]:
 
 
 def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str, Any],
-           write_fd: int, parent: int) -> NoReturn:  # fmt: skip
+           write_fd: int, parent: int, stderr_fd: int | None = None) -> NoReturn:  # fmt: skip
     code = 1
     try:
+        stderr = fcntl.fcntl(stderr_fd, fcntl.F_DUPFD, 10) if stderr_fd is not None else None  # (not 0-3)
         os.dup2(write_fd, RESULT_FD)  # first: errors below are reported through it
-        _isolate(plan, facts)
+        _isolate(plan, facts, () if stderr is None else (stderr,))
         if plan.layer == "fork":
             _confine(plan, facts, parent, drop=plan.gid is not None)
             code = _serve(plan, fn, kwargs)
         else:
-            _exec_runner(plan, facts, parent)
+            _exec_runner(plan, facts, parent, stderr)
     except BaseException as exc:
         with contextlib.suppress(BaseException):
             _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
@@ -82,11 +77,11 @@ def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str,
         os._exit(code)
 
 
-def _isolate(plan: _Plan, facts: _Facts) -> None:
+def _isolate(plan: _Plan, facts: _Facts, keep: tuple[int, ...] = ()) -> None:
     """Session, signals, descriptors, folder, environment: nothing of the worker's."""
     net_fd = plan.confine.net_fd if plan.confine is not None else None
-    _detach(facts, forked=plan.layer == "fork", keep=(net_fd,) if net_fd is not None else ())
-    _enter(plan, facts.env_drop)
+    _detach(facts, forked=plan.layer == "fork", keep=(*keep, net_fd) if net_fd is not None else keep)
+    _enter(plan)
 
 
 def _detach(facts: _Facts, forked: bool, keep: tuple[int, ...] = ()) -> None:
@@ -98,14 +93,12 @@ def _detach(facts: _Facts, forked: bool, keep: tuple[int, ...] = ()) -> None:
     _stdio_to_devnull(facts.fds if forked else None, keep)
 
 
-def _enter(plan: _Plan, env_drop: list[str]) -> None:
-    """The run's folder and the allowlisted environment."""
-    os.chdir(plan.workdir)
+def _enter(plan: _Plan) -> None:
+    """The run's folder and the allowlisted environment (the exec layers get it at exec)."""
+    os.chdir(plan.workdir)  # (as root: a folder the worker was given may be another user's)
     os.umask(0o007)  # files stay the run's group's
-    if plan.layer == "fork":  # (not os.environ.clear(): quadratic, ~1 ms here)
-        for key in env_drop:  # (listed once per worker process: one may be gone since)
-            os.environ.pop(key, None)
-        os.environ.update(plan.env)
+    if plan.layer == "fork":
+        scrub(plan.env)
 
 
 def _confine(plan: _Plan, facts: _Facts, parent: int, drop: bool) -> None:
@@ -248,9 +241,11 @@ def _runner_confinement(plan: _Plan) -> dict | None:
     return {"landlock": conf.landlock, "bpf": conf.bpf, "net_fd": conf.net_fd}
 
 
-def _exec_runner(plan: _Plan, facts: _Facts, parent: int) -> NoReturn:
+def _exec_runner(plan: _Plan, facts: _Facts, parent: int, stderr: int | None = None) -> NoReturn:
     """Replace this process with the runner; its request arrives on stdin (a memfd).
-    The request is written before the limits: this process is still the worker's size."""
+    The request is written before the limits: this process is still the worker's size.
+    ``stderr``: a pipe the worker reads if the tool never reports (bwrap's or the
+    interpreter's message: the runner points its stderr at /dev/null once it runs)."""
     request = {
         "path": [p for p in _module_path() if not _inside(p, plan.workdir)],
         "module": plan.target[0],
@@ -259,6 +254,7 @@ def _exec_runner(plan: _Plan, facts: _Facts, parent: int) -> NoReturn:
         "drop": (plan.uid, plan.gid) if plan.gid is not None else None,
         "parent": parent if plan.layer == "exec" else None,  # outside bwrap: re-arm pdeathsig
         "confine": _runner_confinement(plan),
+        "chdir": plan.workdir if plan.layer == "bwrap" else None,  # (exec: entered as root, below)
     }
     fd = os.memfd_create("tooloop-call", 0)
     os.write(fd, pickle.dumps(request))
@@ -266,4 +262,8 @@ def _exec_runner(plan: _Plan, facts: _Facts, parent: int) -> NoReturn:
     os.dup2(fd, 0)
     os.close(fd)
     _confine(plan, facts, parent, drop=False)  # the runner drops, after importing the tool
+    if stderr is not None:
+        os.set_blocking(stderr, False)  # a flood of messages is cut, never waited on
+        os.dup2(stderr, 2)
+        os.close(stderr)
     os.execve(plan.argv[0], plan.argv, plan.env)

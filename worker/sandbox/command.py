@@ -24,6 +24,7 @@ from functools import lru_cache
 from worker.sandbox.child import _limits
 from worker.sandbox.constants import MODES
 from worker.sandbox.context import SandboxContext, SandboxError
+from worker.sandbox.env import call_environment
 from worker.sandbox.folders import _prepare, _sandbox_root, make_tmp, next_uid
 from worker.sandbox.host import _mode
 from worker.sandbox.kernel import _landlock_apply, _seccomp_load, denied_ports
@@ -32,11 +33,10 @@ from worker.sandbox.plan import (
     _bwrap_argv,
     _checked_workdir,
     _confinement,
-    _environment,
-    _hidden,
     _hides_runs,
     _layer,
     _Plan,
+    _run_roots,
 )
 from worker.sandbox.quota import room
 
@@ -62,10 +62,10 @@ def sandboxed_command(argv: list[str], ctx: SandboxContext, env: dict[str, str] 
     gid = _prepare(workdir, root, ctx.run_id, allow)
     uid = next_uid(root) if gid is not None else None
     tmp = "/tmp" if layer == "bwrap" else make_tmp(workdir, gid)
-    full_env = {**_environment(workdir, tmp, ctx.policy), **(env or {})}
+    full_env = {**call_environment(workdir, tmp, ctx.policy), **(env or {})}
     plan = _Plan(layer, workdir, gid, uid, ctx.policy, full_env)
-    hidden = _hidden(root, allow) if _hides_runs(uid, layer) else ()
-    conf = _confinement(workdir, ctx.policy.network, layer, hidden)  # Landlock and seccomp, as a call's
+    roots = _run_roots(root, allow)
+    conf = _confinement(workdir, ctx.policy.network, layer, roots if _hides_runs(uid, layer) else ())
     quota = ctx.policy.max_disk_mb << 20  # (a long-lived server: the room at its start bounds each file)
     limits = _limits(ctx.policy, nproc=os.geteuid() == 0, fork=False, room=room(workdir, quota))
     config = {
@@ -78,7 +78,9 @@ def sandboxed_command(argv: list[str], ctx: SandboxContext, env: dict[str, str] 
         # (a descriptor of this process would not survive the MCP SDK's spawn)
         "net_denied": denied_ports() if ctx.policy.network else None,
         "path": list(_module_path()),
-        "bwrap": [*_bwrap_argv(plan, root), "--"] if layer == "bwrap" else None,
+        "bwrap": [*_bwrap_argv(plan, roots), "--"] if layer == "bwrap" else None,
+        "chdir": workdir if layer == "bwrap" else None,  # entered once it is the program's uid
+        "env": sorted(full_env),  # the names it passes on (the SDK adds the host's USER, SHELL...)
         "python": sys.executable,
         "parent": os.getpid(),  # the keeper stops its program when this process dies
         "source": keeper_source() if layer == "bwrap" else "",  # bubblewrap's inner stage
@@ -100,7 +102,7 @@ def _keeper_main() -> None:
     if config.get("inner"):  # inside bubblewrap: limits, the drop, then the program
         _keeper_confine(config)
         try:
-            os.execvpe(argv[0], argv, os.environ)
+            os.execvpe(argv[0], argv, _keeper_env(config))
         except OSError as exc:  # one line that says why (ENOENT, EACCES), as the outer stage's
             sys.stderr.write(f"tooloop sandbox: cannot start {argv[:1]}: {exc}\n")
             os._exit(127)
@@ -149,9 +151,9 @@ def _keeper_child(config: dict, uid: int | None, argv: list) -> None:
         if config["bwrap"]:
             inner = {**config, "inner": True, "uid": uid, "source": ""}
             command = [config["python"], "-I", "-S", "-B", "-c", config["source"], json.dumps(inner)]
-            os.execve(config["bwrap"][0], [*config["bwrap"], *command, *argv], os.environ)
+            os.execve(config["bwrap"][0], [*config["bwrap"], *command, *argv], _keeper_env(config))
         _keeper_confine({**config, "uid": uid})
-        os.execvpe(argv[0], argv, os.environ)
+        os.execvpe(argv[0], argv, _keeper_env(config))
     except BaseException as exc:
         sys.stderr.write(f"tooloop sandbox: cannot start {argv[:1]}: {exc}\n")
     os._exit(127)
@@ -178,6 +180,16 @@ def _keeper_confine(config: dict) -> None:
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         prctl(1, 9, 0, 0, 0)  # PDEATHSIG again: the drop cleared it
+    if config.get("chdir"):  # inside bubblewrap: the run's folder, entered as the program's uid
+        os.chdir(config["chdir"])
+
+
+def _keeper_env(config: dict) -> dict:
+    """The allowlisted environment alone: the MCP SDK adds the host's USER, SHELL...,
+    bubblewrap its PWD."""
+    import os
+
+    return {k: os.environ[k] for k in config["env"] if k in os.environ}
 
 
 def _keeper_kill(pid: int) -> None:
@@ -204,8 +216,8 @@ def _keeper_kill_uid(uid: int) -> None:
     os.waitpid(child, 0)
 
 
-_KEEPER_FUNCTIONS = (_landlock_apply, _seccomp_load, _keeper_child, _keeper_confine, _keeper_kill,
-                     _keeper_kill_uid, _keeper_main)  # fmt: skip
+_KEEPER_FUNCTIONS = (_landlock_apply, _seccomp_load, _keeper_child, _keeper_confine, _keeper_env,
+                     _keeper_kill, _keeper_kill_uid, _keeper_main)  # fmt: skip
 
 
 @lru_cache(maxsize=1)

@@ -4,7 +4,7 @@ command line included)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import pickle
 import pwd
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from worker.sandbox.constants import ALLOWED_COMMANDS_ENV, ENV_PASSTHROUGH, EXECUTORS_ENV, MODES, SYSTEM_PATH
+from worker.sandbox.constants import MODES
 from worker.sandbox.context import SandboxContext, SandboxError
+from worker.sandbox.env import call_environment
 from worker.sandbox.folders import _allowed, _prepare, _sandbox_root, checked_folder, make_tmp, next_uid
 from worker.sandbox.host import _BASE_MOUNTS, _host, _mode
 from worker.sandbox.kernel import Confinement, confinement
@@ -55,15 +56,15 @@ def _plan(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -
     gid = _prepare(workdir, root, ctx.run_id, allow)
     uid = next_uid(root) if gid is not None else None
     tmp = "/tmp" if layer == "bwrap" else make_tmp(workdir, gid)  # /tmp is private only under bwrap
-    plan = _Plan(layer, workdir, gid, uid, ctx.policy, _environment(workdir, tmp, ctx.policy))
+    plan = _Plan(layer, workdir, gid, uid, ctx.policy, call_environment(workdir, tmp, ctx.policy))
     plan.quota = ctx.policy.max_disk_mb << 20
     plan.room = room(workdir, plan.quota)
-    hidden = _hidden(root, allow) if _hides_runs(uid, layer) else ()
-    plan.confine = _confinement(workdir, ctx.policy.network, layer, hidden)
+    roots = _run_roots(root, allow)
+    plan.confine = _confinement(workdir, ctx.policy.network, layer, roots if _hides_runs(uid, layer) else ())
     if layer != "fork":
         plan.target = _importable(fn)
         plan.kwargs_blob = _pickled(kwargs)
-        plan.argv = _runner_argv(plan, root)
+        plan.argv = _runner_argv(plan, roots)
     return plan
 
 
@@ -73,9 +74,10 @@ def _hides_runs(uid: int | None, layer: str) -> bool:
     return uid is None and layer != "bwrap"
 
 
-def _hidden(root: str, allow: list[str] | None) -> tuple[str, ...]:
-    """The folders of all runs, which a call without a uid of its own (the worker is not
-    root: every call is the worker's user) must not read: only Landlock can keep it out."""
+def _run_roots(root: str, allow: list[str] | None) -> tuple[str, ...]:
+    """The folders that hold the folders of all runs (the sandbox root, every allowed root):
+    what bwrap hides, and, for a call without a uid of its own (the worker is not root:
+    every call is the worker's user), what Landlock keeps out of reach outside bwrap."""
     return tuple(sorted({os.path.realpath(root), *_allowed(allow)}))
 
 
@@ -117,28 +119,6 @@ def _checked_workdir(path: str, run_id: str | None, root: str, allow: tuple[str,
     return workdir
 
 
-def _environment(workdir: str, tmp: str, policy: SandboxPolicy) -> dict[str, str]:
-    """The allowlist: nothing of the worker's environment (API keys, TOOLOOP_*) gets in."""
-    env = {
-        "PATH": f"{os.path.dirname(sys.executable)}:{SYSTEM_PATH}",
-        "HOME": workdir,
-        "TMPDIR": tmp, "TMP": tmp, "TEMP": tmp, "TEMPDIR": tmp,
-        "LANG": "C.UTF-8",
-        "TERM": "dumb",
-    }
-    env.update({k: os.environ[k] for k in ENV_PASSTHROUGH if k in os.environ})
-    if policy.allowed_commands is not None:
-        env[ALLOWED_COMMANDS_ENV] = json.dumps(policy.allowed_commands)
-        env[EXECUTORS_ENV] = json.dumps(_shell_executors())
-    return env
-
-
-def _shell_executors() -> list[str]:
-    from orchestrator.settings import get_settings
-
-    return [n.strip() for n in get_settings().shell_executors.split(",") if n.strip()]
-
-
 def _importable(fn: Callable[..., Any]) -> tuple[str, str]:
     """Module and qualname that find ``fn`` again in a fresh interpreter."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -160,34 +140,39 @@ def _pickled(kwargs: dict[str, Any]) -> bytes:
         raise SandboxError(f"the arguments cannot be sent into the sandbox: {exc}") from exc
 
 
-def _runner_argv(plan: _Plan, root: str) -> list[str]:
+def _runner_argv(plan: _Plan, roots: tuple[str, ...]) -> list[str]:
     python = [sys.executable, "-I", "-S", "-B", "-c", _runner_source()]
     if plan.layer == "exec":
         return python
-    return [*_bwrap_argv(plan, root), "--", *python]
+    return [*_bwrap_argv(plan, roots), "--", *python]
 
 
-def _bwrap_argv(plan: _Plan, sandbox_root: str) -> list[str]:
-    """Read-only host, then empty tmpfs over what the call must not see, then back
-    (read-only) what it needs from under them, then the run folder (writable)."""
+def _bwrap_argv(plan: _Plan, roots: tuple[str, ...]) -> list[str]:
+    """Read-only host; an empty tmpfs over what the call must not see (/tmp, /run, what
+    hides Python from the sandbox uid, and ``roots``: the folders of all runs); back,
+    read-only, what it needs from under them (Python); then the run's folder, writable.
+    Deeper mounts come later: a Python path inside a run root is shown, a run root inside
+    a Python path hidden.
+
+    No ``--chdir``: bubblewrap enters it as root without capabilities, which a folder the
+    run was given refuses (its owner's, the run's group, mode 2770: not root's). The
+    runner enters the folder once it is the call's uid."""
     host = _host(probe=True)
     assert host.bwrap is not None
     argv = [host.bwrap, *host.bwrap_flags]
     if not plan.policy.network:
         argv.append("--unshare-net")
     argv += _base_mounts(plan.quota)
-    masks = ["/tmp", *_masks()]
-    for path in masks[1:]:
-        argv += ["--tmpfs", path]
-    binds = _binds_under(masks, plan.policy.network)
-    for path in binds:
-        argv += [*_parents(path, masks), "--ro-bind", path, path]
-    masks += binds
-    runs = os.path.realpath(sandbox_root)  # every run's folder: hidden, after the binds
-    argv += [*_parents(runs, masks), "--tmpfs", runs]
-    masks.append(runs)
-    argv += [*_parents(plan.workdir, masks), "--bind", plan.workdir, plan.workdir]
-    return [*argv, "--chdir", plan.workdir]
+    runs = [r for r in roots if os.path.isdir(r)]  # (a root not made yet: nothing in it)
+    masks = sorted({*_masks(), *_closed_above(plan.workdir, ("/tmp", *runs))})
+    shows = _binds_under(["/tmp", *masks, *runs], plan.policy.network)
+    mounts = [(p, 0, "--tmpfs") for p in masks] + [(p, 1, "--ro-bind") for p in shows]
+    mounts += [(p, 2, "--tmpfs") for p in runs]  # (a run root that is a Python path: hidden all the same)
+    done = ["/tmp"]
+    for path, _, how in sorted(mounts, key=lambda m: (m[0].count("/"), m[1])):
+        argv += [*_parents(path, done), how, *([path, path] if how == "--ro-bind" else [path])]
+        done.append(path)
+    return [*argv, *_parents(plan.workdir, done), "--bind", plan.workdir, plan.workdir]
 
 
 def _base_mounts(quota: int) -> list[str]:
@@ -217,6 +202,20 @@ def _masks() -> list[str]:
     if os.path.isdir("/run") and not os.path.islink("/run"):
         masks.add("/run")
     return sorted(masks, key=lambda p: (p.count("/"), p))
+
+
+@lru_cache(maxsize=256)
+def _closed_above(workdir: str, hidden: tuple[str, ...]) -> tuple[str, ...]:
+    """The outermost folder on the way to the run's folder that the call's uid may not
+    search (a 0750 home holding an allowed root): hidden by a tmpfs, the way down made
+    again searchable, as for Python. What a tmpfs hides already (a run root) needs none."""
+    for folder in _ancestors(os.path.dirname(workdir)):
+        if any(_inside(folder, h) for h in hidden):
+            return ()
+        with contextlib.suppress(OSError):
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return (folder,)
+    return ()
 
 
 def _parents(path: str, masks: list[str]) -> list[str]:
@@ -252,7 +251,7 @@ def _home() -> str:
 
 
 def _binds_under(masks: list[str], network: bool) -> list[str]:
-    """Python paths (and DNS config when the network is on) hidden by a mask."""
+    """Python paths (and DNS config when the network is on) under a mask or a run root."""
     wanted = list(_python_paths())
     if network and os.path.exists("/etc/resolv.conf"):
         wanted.append(os.path.realpath("/etc/resolv.conf"))

@@ -19,11 +19,12 @@ def _runner_main() -> None:
     import pickle
     import sys
 
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 2)  # what failed before this line (bwrap, the interpreter) is the worker's to read
     chunks = [os.read(0, 1 << 20)]
     while chunks[-1]:
         chunks.append(os.read(0, 1 << 20))
     request = pickle.loads(b"".join(chunks))
-    null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     sys.path[:] = request["path"]
@@ -38,6 +39,8 @@ def _runner_main() -> None:
             _seccomp_load(confine["bpf"])
         if request["drop"]:
             _runner_drop(*request["drop"], request["parent"])
+        if request["chdir"]:  # under bwrap: the run's folder, entered as the call's uid
+            os.chdir(request["chdir"])
     except BaseException as exc:
         payload = {"error": f"SandboxError: cannot start the tool: {type(exc).__name__}: {exc}"}
     if payload is None:

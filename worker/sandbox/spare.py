@@ -16,12 +16,12 @@ only while calls reach it with a pause between them (BUSY_GAP_S), because while 
 spare of its own waits, every page it writes is copied.
 
 ``settle()`` (after a call's result is recorded) reaps what the previous call left
-and makes the next spare; ``_take_spare`` hands it the next call."""
+and makes the next spare; ``_take_spare`` hands it the next call. The spare's own side
+(what it does once forked) is ``spare_child.py``."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import pickle
@@ -29,24 +29,13 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from worker.sandbox import zygote
-from worker.sandbox.child import (
-    _confine,
-    _detach,
-    _enter,
-    _Facts,
-    _handlers,
-    _limits,
-    _report,
-    _serve,
-    _worker_env_keys,
-)
-from worker.sandbox.constants import REQUEST_FD, RESULT_FD
+from worker.sandbox.child import _limits
 from worker.sandbox.kernel import _net_fds
-from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 from worker.sandbox.plan import _Plan
+from worker.sandbox.spare_child import fork_spare
 from worker.sandbox.zygote import Zygote
 
 log = logging.getLogger(__name__)
@@ -139,7 +128,7 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
             spare = None
         try:
             spare = spare or _spawn_spare(server)
-            spare.send((plan, None, None, name, kwargs))
+            spare.send((plan, None, name, kwargs))
         except OSError:  # it died meanwhile, or the server did: fork here
             if spare is not None:
                 spare.discard()
@@ -153,10 +142,9 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
         if spare is not None:
             _spares[os.getpid()] = spare
         return None
-    env_drop = [k for k in _worker_env_keys(os.getpid()) if k not in plan.env]
     limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
     try:
-        spare.send((plan, env_drop, limits, name, kwargs))
+        spare.send((plan, limits, name, kwargs))
     except OSError:  # it died meanwhile (killed from outside?)
         spare.discard()
         return None
@@ -193,60 +181,3 @@ def _spawn_spare(server: Zygote | None = None) -> _Spare:
     finally:
         os.close(request_r)
         os.close(result_w)
-
-
-def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
-    """Fork a spare holding these pipe ends (``close``: this process's other descriptors
-    the child must not keep); its pid."""
-    facts = _Facts(fds=[int(n) for n in os.listdir("/proc/self/fd")],
-                   handlers=_handlers(os.getpid()), env_drop=[], limits=[])  # fmt: skip
-    kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        for fd in close:
-            os.close(fd)
-        _spare_main(facts, result_w, request_r, kept)
-    return pid
-
-
-def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, ...]) -> NoReturn:
-    code = 1
-    parent = os.getppid()  # the worker, or its fork server: the call dies with it
-    try:
-        high_w, high_r = fcntl.fcntl(result_w, fcntl.F_DUPFD, 10), fcntl.fcntl(request_r, fcntl.F_DUPFD, 10)
-        os.dup2(high_w, RESULT_FD)  # first: errors below are reported through it
-        os.dup2(high_r, REQUEST_FD)
-        for fd in {high_w, high_r, result_w, request_r} - {RESULT_FD, REQUEST_FD}:
-            os.close(fd)
-        _detach(facts, forked=True, keep=(REQUEST_FD, *kept))
-        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # an idle spare dies with its worker
-        request = _read_request()
-        if request is None:  # the worker went away (or changed its mind)
-            code = 0
-            return
-        plan, env_drop, limits, name, kwargs = request
-        from worker.registry import REGISTRY
-
-        if env_drop is None:  # a fork server's spare: its own environment and address space
-            env_drop = [k for k in os.environ if k not in plan.env]
-            limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
-
-        _enter(plan, env_drop)
-        _confine(plan, _Facts(facts.fds, [], env_drop, limits), parent, drop=plan.gid is not None)
-        code = _serve(plan, REGISTRY[name].fn, kwargs)
-    except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
-    finally:
-        os._exit(code)
-
-
-def _read_request() -> tuple[Any, ...] | None:
-    data = b""
-    while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
-        chunk = os.read(REQUEST_FD, 1 << 16)
-        if not chunk:
-            return None
-        data += chunk
-    os.close(REQUEST_FD)
-    return pickle.loads(data[8:])  # from the worker itself, through its own pipe

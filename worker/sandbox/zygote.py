@@ -6,8 +6,9 @@ and the copy-on-write faults of every page the worker then writes while the call
 process shares them (measured: tool pool CPU per tool-turn 27 ms with the fork, 6 ms
 with the call run in-process; ``docs/benchmarks.md``). So each pool process starts one
 fork server (``worker.sandbox.zygote.main``): a fresh interpreter that imports the
-worker's tool modules and the sandbox, and nothing of Celery, Redis or the settings.
-It forks the spare processes (``worker/sandbox/spare.py``) on request; the worker keeps
+worker's tool modules and the sandbox, and nothing of Celery, Redis or the settings, with
+the environment allowlist alone (``env.py``): nothing of the worker's is in its memory.
+It forks the spare processes (``worker/sandbox/spare_child.py``) on request; the worker keeps
 watching, killing and decoding each call as before, and asks the server for the exit
 status of the processes it forked. Dies with its worker (``PR_SET_PDEATHSIG``), and the
 calls' processes die with it.
@@ -60,10 +61,13 @@ class Zygote:
 
     def __init__(self) -> None:
         from worker.registry import REGISTRY
+        from worker.sandbox.env import base_environment
 
         os.close(os.pidfd_open(os.getpid()))  # the worker watches the server's calls by pidfd
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLOOP_")}  # its keys and URLs
+        # The allowlist alone (worker/sandbox/env.py): every forked call is a copy of the
+        # server, so nothing of the worker's environment (keys, passwords, URLs) is in it.
+        env = base_environment()
         env.update(TOOLOOP_ZYGOTE_FD=str(theirs.fileno()), TOOLOOP_ZYGOTE_PATH=os.pathsep.join(sys.path))
         command = [sys.executable, "-c", _BOOT, str(os.getpid())]
         self.proc = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
@@ -162,7 +166,7 @@ def main() -> None:
 def _import(modules: list[str]) -> None:
     # What every spare runs, and what unpickling its call needs: imported once, here.
     import orchestrator.models  # noqa: F401
-    import worker.sandbox.spare  # noqa: F401
+    import worker.sandbox.spare_child  # noqa: F401
 
     for module in modules:
         try:
@@ -172,7 +176,7 @@ def _import(modules: list[str]) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    from worker.sandbox.spare import fork_spare
+    from worker.sandbox.spare_child import fork_spare
 
     done: dict[int, int] = {}
     while True:
