@@ -101,7 +101,10 @@ def _api(request: Request) -> ApiState:
 Api = Annotated[ApiState, Depends(_api)]
 
 
-async def _tenant(api: Api, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+async def _tenant(api: Api, creds: Credentials) -> str:
     """The tenant the bearer token maps to; 401 without a known token."""
     tenant = _match_token(api.tokens, creds.credentials) if creds else None
     if tenant is None:
@@ -434,14 +437,18 @@ async def limit_body(request: Request, call_next: Any) -> Any:
     return await call_next(request)
 
 
-def health(api: Api) -> dict[str, Any]:
-    """Liveness, without a token: the API answers and Redis answers."""
+def health(api: Api, creds: Credentials) -> dict[str, Any]:
+    """Liveness, without a token: the API answers and Redis answers, `{"ok": true}`. With a
+    valid token, also each live worker's sandbox layers (`sandbox`): worker names and the
+    layers that are off tell an attacker where to aim, so nobody without a token sees them."""
     try:
         redis_ok = bool(api.client.store.redis.ping())
     except Exception:
         redis_ok = False
     if not redis_ok:
         raise HTTPException(503, "Redis unreachable")
+    if creds is None or _match_token(api.tokens, creds.credentials) is None:
+        return {"ok": True}
     from orchestrator.doctor import sandbox_report
 
     return {"ok": True, "sandbox": sandbox_report(api.client.store)}

@@ -141,7 +141,10 @@ class WatchState:
     """What the live view shows, folded from the events seen so far."""
 
     run_id: str
-    status: str = "queued"
+    progress: str = "queued"  # queued until a turn's reply is recorded (or a resume), then running
+    paused: bool = False  # a pause recorded, no resume since: whatever else lands, it stays paused
+    aborting: bool = False
+    outcome: str | None = None  # "<status> (<exit>)" once the run ended
     turn: int = 0
     tokens: int = 0
     calls: int = 0
@@ -152,6 +155,20 @@ class WatchState:
     text: str = ""  # the model's streamed text, this turn
     turn_streaming: int | None = None
     waiting: int = 0  # calls waiting for a person's decision
+
+    @property
+    def status(self) -> str:
+        # A paused run's in-flight reply (or a decided approval) still lands after the pause:
+        # those events show progress, never a status the run does not have.
+        if self.outcome:
+            return self.outcome
+        if self.aborting:
+            return "aborting"
+        if self.paused:
+            return "paused"
+        if self.waiting:
+            return f"waiting for {self.waiting} approval(s)"
+        return self.progress
 
     def apply(self, event: Event) -> None:
         if isinstance(event, ev.Text):  # shown as it grows, not as event lines
@@ -164,17 +181,25 @@ class WatchState:
             case ev.Queued():
                 self.started = event.ts
             case ev.Iteration():
-                self.turn, self.tokens, self.status = event.iteration, event.tokens_used, "running"
+                self.turn, self.tokens, self.progress = event.iteration, event.tokens_used, "running"
             case ev.ToolCall():
                 self.calls += 1
                 self.failed += not event.success
             case ev.Control():
-                self.status = _CONTROL_STATUS.get(event.action, self.status)
-            case ev.Approval():
+                self._control(event.action)
+            case ev.Approval():  # a call of a recorded reply: the run has started
                 self.waiting += 1 if event.decision == "pending" else -1
-                self.status = f"waiting for {self.waiting} approval(s)" if self.waiting else "running"
+                self.progress = "running"
             case ev.Outcome():
-                self.status, self.ended = f"{event.status} ({event.exit})", event.ts
+                self.outcome, self.ended = f"{event.status} ({event.exit})", event.ts
+
+    def _control(self, action: str) -> None:
+        if action == "pause":
+            self.paused = True
+        elif action == "resume":
+            self.paused, self.progress = False, "running"
+        elif action == "abort":
+            self.aborting = True
 
     def elapsed_s(self) -> float:
         if self.started is None:
@@ -200,7 +225,6 @@ class WatchState:
 
 
 TEXT_SHOWN = 600  # characters of streamed text in the live view
-_CONTROL_STATUS = {"pause": "paused", "resume": "running", "abort": "aborting"}
 
 
 def _watch_live(handle: Any) -> None:

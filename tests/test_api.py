@@ -94,8 +94,17 @@ def test_openapi_schema_is_served(api_server) -> None:
     for path in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/events", "/api/runs/{run_id}/steer"):
         assert path in schema["paths"]
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    health = httpx.get(api_server.base_url + "/api/health").json()
-    assert health["ok"] is True and isinstance(health["sandbox"], dict)  # per worker: layers live / off
+
+
+def test_health_names_workers_and_sandbox_layers_only_to_a_token(api_server, worker) -> None:
+    url = api_server.base_url + "/api/health"
+    for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": "Basic dG9rLWFjbWU="}):
+        anonymous = httpx.get(url, headers=headers)
+        assert (anonymous.status_code, anonymous.json()) == (200, {"ok": True}), headers
+    health = httpx.get(url, headers={"Authorization": "Bearer tok-acme"}).json()
+    assert health["ok"] is True
+    tools = [w for name, w in health["sandbox"].items() if name.startswith("tools@")]  # per worker
+    assert tools and all(isinstance(w["live"], list) and isinstance(w["off"], dict) for w in tools)
 
 
 def test_openapi_lists_the_status_codes_each_route_answers(api_server) -> None:

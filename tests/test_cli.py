@@ -312,6 +312,32 @@ def test_control_commands_change_a_live_run(client, worker, spec, model_server, 
     assert tooloop("pause", handle.run_id).returncode == 1  # already ended
 
 
+def test_watch_shows_paused_when_the_reply_in_flight_lands_after_the_pause(client, worker, spec, model_server,
+                                                                          store, holds) -> None:  # fmt: skip
+    """Pause while the model answers turn 1: its `iteration` event comes after the pause's
+    `control` event, and the run stays paused; the live view must say so."""
+    from orchestrator.views import WatchState
+
+    release = gate(holds)
+    s = spec([add_call(hold=release), {"content": "5"}], tools=["add"])
+    handle = client.submit(s)
+    wait_for(lambda: model_server.calls(s["model"]))  # turn 1 in flight on the worker
+    assert handle.pause() == "ok"
+    release.set()
+    events = wait_for(lambda: [e for e in store.read_events(handle.run_id) if e.type == "iteration"]
+                      and store.read_events(handle.run_id))  # fmt: skip
+    assert [e.type for e in events] == ["queued", "control", "iteration"]  # the order this is about
+    view = WatchState(handle.run_id)
+    for event in events:
+        view.apply(event)
+    assert handle.status() == Status.paused and view.status == "paused"
+    assert (view.turn, view.tokens) == (1, 30)  # the reply's progress is still shown
+    assert handle.resume() == "ok"
+    for event in list(handle.events(timeout=30))[len(events):]:
+        view.apply(event)
+    assert view.status == "completed (default)"
+
+
 def test_abort_command_ends_a_live_run(client, worker, spec, model_server, holds) -> None:
     release = gate(holds)
     s = spec([add_call(hold=release), {"content": "never"}], tools=["add"])

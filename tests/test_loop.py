@@ -138,6 +138,21 @@ def test_two_calls_in_one_turn_keep_the_models_order(client, worker, spec, model
     assert [m["tool_call_id"] for m in fed] == ["c-slow", "c-fast"]
 
 
+def test_a_str_output_reaches_the_model_as_it_is_other_values_as_json(client, worker, spec, model_server):
+    """A file's lines stay lines in the tool message; an int or a dict is sent as JSON. The
+    records keep each output's JSON type either way."""
+    lines = 'alpha\n  "beta"\n\tgamma\n'
+    s = spec([tools(call("write_file", {"path": "notes.txt", "content": lines}, "c-write")),
+              tools(call("read_file", {"path": "notes.txt"}, "c-read"), call("count", {"n": 1}, "c-count")),
+              {"content": "read"}], tools=["write_file", "read_file", "count"])  # fmt: skip
+    result = run(client, s)
+    assert (result.status, result.content) == (Status.completed, "read")
+    assert [r.output for r in result.tool_calls] == [len(lines), lines, {"n": 2, "pad": ""}]
+    requests = model_server.calls(s["model"])
+    fed = {m["tool_call_id"]: m["content"] for r in requests for m in r["messages"] if m["role"] == "tool"}
+    assert fed == {"c-write": str(len(lines)), "c-read": lines, "c-count": '{"n": 2, "pad": ""}'}
+
+
 def test_tokens_add_up_over_turns(client, worker, spec):
     steps = [tools(call("add", {"a": 1, "b": 1}), tokens=11), tools(call("add", {"a": 2, "b": 2}), tokens=23),
              {"content": "done", "tokens": 7}]  # fmt: skip

@@ -1,7 +1,8 @@
 """What a run keeps and shows: scrubbed of secrets, bounded in size.
 
 - ``tool_result``: a tool call's record (at most 16 KiB in Redis) and the tool
-  message the model sees (at most ``max_tool_output_chars``), both scrubbed.
+  message the model sees (at most ``max_tool_output_chars``; a ``str`` output as it
+  is, any other value as JSON: ``model_text``), both scrubbed.
 - ``stored_reply`` / ``clean_finish``: a model reply and a final answer before
   they are recorded; ``oversized`` refuses a reply too large to keep.
 - ``protect_arguments`` / ``open_arguments``: tool-call arguments that hold a
@@ -44,14 +45,14 @@ DEFAULT_MAX_OUTPUT_CHARS = 50_000
 # -- tool calls ------------------------------------------------------------------------
 def tool_result(payload: dict[str, Any], ok: bool, output: Any, error: str | None, inputs: Any,
                 duration_ms: float) -> tuple[ToolCallRecord, str]:  # fmt: skip
-    """The call's record and its tool message (JSON), scrubbed and bounded."""
+    """The call's record and its tool message (stored as JSON), scrubbed and bounded."""
     limit = int(payload.get("max_output_chars") or DEFAULT_MAX_OUTPUT_CHARS)
     error = scrub_text(cut_text(error, ERROR_MAX_CHARS)) if error else None
     clean_output = scrub_value(output) if ok else None
-    content = cut_text(json.dumps(clean_output) if ok else f"Error: {error}", limit)
+    content = cut_text(model_text(clean_output) if ok else f"Error: {error}", limit)
     message: dict[str, Any] = {"role": "tool", "tool_call_id": model_call_id(payload), "content": content}
     if not payload.get("scrub_model_input", True) and ok:
-        original = {"content": cut_text(json.dumps(output), limit)}
+        original = {"content": cut_text(model_text(output), limit)}
         message = _keep_original(message, original, payload.get("tenant", "default"))
     clean_inputs = bound_value(scrub_value(inputs), RECORD_INPUTS_MAX_BYTES)
     room = RECORD_MAX_BYTES - json_size(clean_inputs) - len(error or "") - 400  # the other fields
@@ -67,6 +68,12 @@ def model_call_id(payload: dict[str, Any]) -> str:
     """The id the model gave the call (its tool message answers that one); the record and
     approvals use ``call_id``, the call's own in the run (they differ when the model repeated an id)."""
     return payload.get("model_call_id") or payload["call_id"]
+
+
+def model_text(output: Any) -> str:
+    """A tool output as the model reads it: a ``str`` as it is (a file's lines stay lines,
+    not one JSON-quoted line of ``\\n``), any other value as JSON."""
+    return output if isinstance(output, str) else json.dumps(output)
 
 
 def protect_arguments(arguments: str, tenant: str) -> str:
