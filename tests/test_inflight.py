@@ -33,7 +33,8 @@ def pool_pids(name: str, role: str) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"celery" in b" ".join(argv) and wanted in argv:
+            titled = argv[0].startswith(b"[celeryd: " + wanted + b":Main")  # Celery's title (setproctitle)
+            if titled or (b"celery" in b" ".join(argv) and wanted in argv):  # or as started
                 pids.append(int(entry.name))
     return pids
 
