@@ -24,6 +24,7 @@ Protocol: one JSON object per line on a Unix socket: ``{"argv", "env", "cwd",
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -142,6 +143,7 @@ _spawned: dict[int, int] = {}  # pid -> the request's number, until reaped
 
 
 def serve(fd: int, folder: Path) -> None:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as tooloop sets it: no fetch at import
     for name in PRELOAD:
         with contextlib.suppress(Exception):  # a missing optional library: the worker says so itself
             importlib.import_module(name)
@@ -209,6 +211,7 @@ def become(module: str, args: list[str], env: dict[str, str], folder: str) -> No
         for name in set(os.environ) - set(env):
             del os.environ[name]
         os.environ.update(env)
+        _forget_settings()
         sys.argv = [module, *args]
         sys.path[0] = os.getcwd()  # `python -m` puts the current folder first
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -218,10 +221,22 @@ def become(module: str, args: list[str], env: dict[str, str], folder: str) -> No
     except BaseException:  # never return into the forking code
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
+        # What a fresh interpreter's exit would do (multiprocessing's temporary folders,
+        # logging's flush...); SystemExit would instead unwind through the parent's frames.
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _forget_settings() -> None:
+    """The parent read its settings from its own environment (the launcher: without the
+    ``--tools`` it adds for its pools): the child reads them again from its own."""
+    settings = sys.modules.get("orchestrator.settings")
+    if settings is not None:
+        settings.get_settings.cache_clear()
 
 
 def _retitle(title: str) -> None:

@@ -57,7 +57,9 @@ def start_pair(d, in_flight: int):
 def assert_completed_once(results: list, turns: int) -> None:
     """Every run completed, each turn's reply recorded and billed once."""
     assert [r.status for r in results] == [Status.completed] * len(results)
-    assert all(r.iterations == turns and r.tokens_used == TOKENS_PER_REPLY * turns for r in results)
+    odd = [(r.run_id, r.iterations, r.tokens_used) for r in results
+           if r.iterations != turns or r.tokens_used != TOKENS_PER_REPLY * turns]  # fmt: skip
+    assert not odd, odd
     assert all(len(r.tool_calls) == turns - 1 and all(c.success for c in r.tool_calls) for r in results)
 
 

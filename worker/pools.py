@@ -42,8 +42,8 @@ POOL_MODULES = (
     "celery.concurrency.prefork", "celery.concurrency.thread", "kombu.transport.redis",
     "kombu.transport.pyamqp", "redis", "pydantic", "pydantic_settings",
 )  # fmt: skip
-# What only a turn pool imports (worker.llm.preload imports and quiets litellm).
-TURN_MODULES = ("litellm",)
+# What only a turn pool imports (worker.llm.preload then quiets litellm, in the pool).
+TURN_MODULES = ("litellm", "litellm.litellm_core_utils.litellm_logging")
 
 
 class Pool(Protocol):
@@ -103,12 +103,9 @@ def preload(role: str) -> None:
     for name in POOL_MODULES:
         _try_import(name)
     if role.startswith("turns"):
-        try:
-            from worker import llm
-
-            llm.preload()
-        except Exception:  # (the pool imports it again and says why)
-            log.debug("litellm not preloaded", exc_info=True)
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as worker/llm.py sets it
+        for name in TURN_MODULES:
+            _try_import(name)
 
 
 def _try_import(name: str) -> None:
