@@ -141,6 +141,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # environment; a worker whose environment differs in more than TOOLOOP_* and provider keys
     # (or that runs wrapped, as another user, in another sandbox) starts as a fresh interpreter.
     controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if not hasattr(config, "workerinput"):  # once per session: what killed sessions left in RabbitMQ
+        from tests.servers import drop_stale_vhosts
+
+        drop_stale_vhosts()
     if os.environ.get("TOOLOOP_TEST_FORK_SERVER", "1") != "0" and not controller:  # xdist's starts none
         from orchestrator.forkserver import ForkServer
 
@@ -265,7 +269,7 @@ class _Vhost:
 
     @classmethod
     def url(cls) -> str:
-        from tests.servers import AMQP_URL, RabbitVhost
+        from tests.servers import AMQP_URL, RabbitVhost, vhost_name
 
         base = os.environ.get("TOOLOOP_TEST_AMQP_URL", AMQP_URL)
         if cls.vhost is None and not cls._answers(base):
@@ -274,7 +278,7 @@ class _Vhost:
                 pytest.fail(why)
             pytest.skip(why)
         if cls.vhost is None:
-            cls.vhost = RabbitVhost(base, f"tooloop-{os.environ['TOOLOOP_KEY_PREFIX']}")
+            cls.vhost = RabbitVhost(base, vhost_name(os.environ["TOOLOOP_KEY_PREFIX"]))
         return cls.vhost.url
 
     @staticmethod

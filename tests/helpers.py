@@ -11,6 +11,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# How long a server started as a fresh interpreter (the API, Flower, an MCP server, a plain
+# Celery worker) may take to answer: a readiness wait, not a measure of speed. Imports of a few
+# seconds of CPU took over 30 s on this 2-core box loaded 15x its cores.
+READY_S = 180.0
+
 
 def wait_for(predicate, timeout: float = 15, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
@@ -104,7 +109,7 @@ def flower(env: dict[str, str] | None = None) -> Iterator[str]:
             return False
 
     try:
-        wait_for(answers, timeout=30)
+        wait_for(answers, timeout=READY_S)
         yield base
     finally:
         proc.terminate()

@@ -7,6 +7,8 @@ pytest-xdist process leaves no servers behind."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -50,6 +52,32 @@ class RabbitVhost:
         ctl = shutil.which("rabbitmqctl")
         if self.created and ctl:
             _ctl(ctl, "delete_vhost", self.name)
+
+
+def vhost_name(prefix: str) -> str:
+    """The vhost of the test process with key prefix ``prefix``: it names the process, so that
+    a later session can tell a vhost left by a killed one (see ``drop_stale_vhosts``)."""
+    return f"tooloop-{prefix}-p{os.getpid()}"
+
+
+def drop_stale_vhosts() -> list[str]:
+    """Delete the vhosts of test processes of this machine that no longer run: a session
+    killed before its clean-up leaves its quorum queues behind, each holding some of
+    RabbitMQ's file handles (~3), and enough of them made RabbitMQ refuse every new
+    connection (CI failed so). A vhost whose name says no process is left alone: it may be
+    a live session's (`.ci/run`, which owns the machine, drops every test vhost)."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        return []
+    listed = subprocess.run([ctl, "-q", "list_vhosts", "name"], capture_output=True, text=True, timeout=60)
+    stale = []
+    for name in listed.stdout.split():
+        found = re.fullmatch(r"tooloop-test-[0-9a-f]+-p(\d+)", name)
+        if found is not None and not Path(f"/proc/{found[1]}").exists():
+            stale.append(name)
+    for name in stale:
+        _ctl(ctl, "delete_vhost", name)
+    return stale
 
 
 def _ctl(ctl: str, *args: str) -> bool:

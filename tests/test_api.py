@@ -17,8 +17,8 @@ import pytest
 from orchestrator import Status
 from orchestrator.events import ToolCall, validate
 from tests.conftest import ROOT, free_port
+from tests.helpers import READY_S, wait_for
 from tests.helpers import gate as hold
-from tests.helpers import wait_for
 
 TOKENS = "tok-acme=acme,tok-globex=globex"
 
@@ -470,7 +470,7 @@ def test_tooloop_api_command_serves_and_stops_despite_open_streams(tmp_path, cli
                 assert proc.poll() is None, (tmp_path / "api.log").read_text()
                 return False
 
-        wait_for(up, timeout=30, interval=0.2)
+        wait_for(up, timeout=READY_S, interval=0.2)
         assert httpx.get(base + "/api/runs").status_code == 401
         listed = httpx.get(base + "/api/runs", headers=as_globex)
         assert listed.status_code == 200 and isinstance(listed.json(), list)

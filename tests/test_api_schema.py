@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.local import free_port
 from tests.conftest import ROOT
-from tests.helpers import wait_for
+from tests.helpers import READY_S, wait_for
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 
@@ -39,7 +39,7 @@ def api_process(tmp_path: Path) -> Iterator[str]:
             assert proc.poll() is None, (tmp_path / "api.log").read_text()
             return False
 
-    wait_for(up, timeout=30, interval=0.2)
+    wait_for(up, timeout=READY_S, interval=0.2)
     yield base
     proc.terminate()
     proc.wait(20)

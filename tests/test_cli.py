@@ -19,7 +19,7 @@ import pytest
 from orchestrator import Status
 from orchestrator.views import event_line
 from tests.conftest import ROOT
-from tests.helpers import flower, flower_task_names, gate, once_flower_shows, wait_for
+from tests.helpers import READY_S, flower, flower_task_names, gate, once_flower_shows, wait_for
 
 
 def tooloop(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 60):
@@ -457,7 +457,8 @@ def test_a_plain_celery_worker_serves_turns_and_tools(deployment, spec) -> None:
     celery = subprocess.Popen(command, env={**os.environ, **d.env}, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        result = d.client.submit(spec([add_call(), {"content": "5"}], tools=["add"])).wait(timeout=90)
+        # the worker starts as a fresh interpreter (~8 s of CPU): READY_S covers its start
+        result = d.client.submit(spec([add_call(), {"content": "5"}], tools=["add"])).wait(timeout=READY_S)
         assert (result.status, result.tool_calls[0].output) == ("completed", 5)
     finally:
         celery.terminate()

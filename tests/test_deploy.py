@@ -25,7 +25,7 @@ import yaml
 from orchestrator.keys import Keys
 from orchestrator.local import free_port
 from tests.conftest import ROOT, start_redis
-from tests.helpers import call, tools, wait_for
+from tests.helpers import READY_S, call, tools, wait_for
 from worker.launcher import SHUTDOWN_GRACE_S
 
 K8S = ROOT / "deploy" / "k8s"
@@ -363,7 +363,7 @@ def test_flower_answers_only_with_its_basic_auth(tmp_path) -> None:
                 assert proc.poll() is None, (tmp_path / "flower.log").read_text()
                 return False
 
-        wait_for(up, timeout=60, interval=0.3)
+        wait_for(up, timeout=READY_S, interval=0.3)
         # every page and API call; Flower's own /metrics and /healthcheck (counts only) stay open
         for path in ("/", "/workers", "/tasks", "/api/workers", "/api/tasks", "/api/queues/length"):
             assert httpx.get(base + path, timeout=10).status_code == 401, path

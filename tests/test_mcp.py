@@ -18,7 +18,7 @@ import yaml
 
 from orchestrator.local import free_port
 from orchestrator.models import Status
-from tests.helpers import call, tools, wait_for
+from tests.helpers import READY_S, call, tools, wait_for
 from worker.sandbox import UID_BASE, UID_SPAN
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
@@ -37,7 +37,10 @@ def http_server():
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
-    wait_for(up, timeout=30)
+    # a readiness wait, not a measure of speed: a fresh interpreter importing the MCP SDK
+    # took over 30 s on a box loaded 15x its cores; a server that died fails at once
+    wait_for(lambda: up() or proc.poll() is not None, timeout=READY_S)
+    assert proc.poll() is None, f"the MCP HTTP server exited {proc.returncode}"
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(10)
