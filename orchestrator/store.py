@@ -291,12 +291,17 @@ class RunStore:
         return CallStart(verdict, parse_spec(_s(out[1])), json.loads(out[2]))
 
     def record_call(self, run_id: str, iteration: int, index: int, owner: str, record: ToolCallRecord,
-                    tool_message: str, gen: int = 0) -> tuple[str, int]:  # fmt: skip
+                    tool_message: str, gen: int = 0, worker: str = "") -> tuple[str, int]:  # fmt: skip
         """Record one call; ('next', generation) means the turn's barrier passed: send the
-        next turn. ``owner`` '' records for nobody (the sweeper), if ``gen`` is still current."""
+        next turn. ``owner`` '' records for nobody (the sweeper), if ``gen`` is still current.
+        ``worker``: the Celery node that ran it, kept beside the record (the console shows
+        it; ``RunResult`` does not carry it)."""
+        stored = record.model_dump_json()
+        if worker:
+            stored = json.dumps({**json.loads(stored), "worker": worker})
         out = self._run(
             "RECORD_CALL", run_id, call_key(iteration, index), iteration, owner, gen,
-            record.model_dump_json(), tool_message, record.tool_name, int(record.success),
+            stored, tool_message, record.tool_name, int(record.success),
         )  # fmt: skip
         return _s(out[0]), int(out[1]) if len(out) > 1 else 0
 

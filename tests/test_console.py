@@ -196,6 +196,7 @@ def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, work
     expect(turns).to_have_count(1)
     expect(tool_call(page, "c-add")).to_have_attribute("data-success", "true")
     expect(tool_call(page, "c-add").locator(".output")).to_have_text("5")
+    expect(tool_call(page, "c-add").get_by_test_id("call-worker")).to_have_text(f"on tools@{worker.name}")
     leak = tool_call(page, "c-leak")
     expect(leak).to_have_attribute("data-success", "true")
     expect(leak.locator(".output")).to_contain_text("[REDACTED]")  # a secret in a tool output: masked
