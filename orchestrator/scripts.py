@@ -733,19 +733,21 @@ return {now, redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[
         redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, ARGV[3])}
 """
 
-# Which of these task ids are in a kombu queue (a Redis list)? KEYS: the list.
-# ARGV: task ids -> those found. One pass over the list, in chunks.
+# Which of these task ids are in one slice of a kombu queue (a Redis list)? KEYS: the
+# list. ARGV: the slice's first index (0: the newest message), its length, task ids
+# -> {entries examined, ids found...}. One slice per call: Redis is never held for a pass
+# over a long queue (RunStore.queued walks the slices).
 QUEUED = """
 local want = {}
-for i = 1, #ARGV do want[ARGV[i]] = true end
-local found, n = {}, redis.call('LLEN', KEYS[1])
-for start = 0, n - 1, 1000 do
-  for _, m in ipairs(redis.call('LRANGE', KEYS[1], start, start + 999)) do
-    local id = string.match(m, '"id": ?"([^"]+)"')
-    if id and want[id] then found[#found + 1] = id want[id] = nil end
-  end
+for i = 3, #ARGV do want[ARGV[i]] = true end
+local first = tonumber(ARGV[1])
+local slice = redis.call('LRANGE', KEYS[1], first, first + tonumber(ARGV[2]) - 1)
+local out = {#slice}
+for _, m in ipairs(slice) do
+  local id = string.match(m, '"id": ?"([^"]+)"')
+  if id and want[id] then out[#out + 1] = id want[id] = nil end
 end
-return found
+return out
 """
 
 # The scripts that run on one run's keys (PRELUDE + script); DUE and QUEUED stand alone.
