@@ -92,17 +92,19 @@ def _around_the_boundary(shape: str, at: int) -> str:
     head = opening + fill(PIECE_CHARS - at - len(opening) - len(lead)) + lead
     if shape == "run":
         head = "x" * (PIECE_CHARS - at - 1) + "_"
-        return head + secret + trail + "y" * 70_000
-    return head + secret + trail + fill(70_000) + closing
+        return head + secret + trail + "y" * 20_000  # the token runs on through the next piece
+    return head + secret + trail + fill(2_000) + closing
 
 
 @pytest.mark.parametrize("shape", ["json", "json-pair", "query", "pair-base64", "run"])
-def test_a_secret_cut_at_a_piece_boundary_of_text_without_whitespace_is_masked(shape):
+def test_a_secret_cut_at_a_piece_boundary_of_text_without_whitespace_is_masked(shape, monkeypatch):
     """Issue 22 item 7: minified JSON or base64 has no whitespace to cut a long text at, so
     its pieces were cut at PIECE_CHARS; a secret straddling the cut changed the context it
     was scrubbed with, and the piece was then scrubbed alone: the key's characters after
     the cut came out in clear. At every offset the pieces now give what one pass gives."""
     from orchestrator import scrub
+
+    monkeypatch.setattr(scrub, "PIECE_CHARS", 16_384)  # smaller pieces, the same cuts: 4x quicker
 
     secret = LONG_KEY if shape != "pair-base64" else LONG_VALUE
     for at in range(-3, len(secret) + 4):

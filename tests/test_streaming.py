@@ -100,16 +100,18 @@ def test_a_secret_in_streamed_text_without_whitespace_is_masked_at_every_cut():
         "query": (lambda n: "data=" + fill(n - 10) + "&ref=", "&next=" + fill(9000)),
         "run": (lambda n: "x" * (n - 1) + "_", "_" + "y" * 9000),
     }
+    step = 31  # the deltas' size: the first cut is looked for once MAX_HOLD_CHARS are buffered
+    first_cut = -(-MAX_HOLD_CHARS // step) * step
     for shape, (before, after) in shapes.items():
         for at in range(-3, len(key) + 10):
-            text = before(MAX_HOLD_CHARS - at) + key + after
+            text = before(first_cut - at) + key + after
             sent: list[str] = []
             ticks = itertools.count(0.0, 10.0)  # a clock that never makes the stream wait
 
             async def go(text: str = text, sent: list[str] = sent, ticks: Any = ticks) -> None:
                 stream = TextStream(sent.append, clock=lambda: next(ticks))
-                for i in range(0, len(text), 7):
-                    await stream(text[i : i + 7])
+                for i in range(0, len(text), step):
+                    await stream(text[i : i + step])
                 await stream("")
 
             asyncio.run(go())

@@ -69,6 +69,7 @@ class TextStream:
         self.timer: asyncio.TimerHandle | None = None
         self.writing: asyncio.Future | None = None  # the piece on its way, if any
         self.masking = False  # the last piece ended inside a masked secret: drop the rest of it
+        self.held = 0  # > 0: ``pending`` ends in a secret that may go on (its length then)
 
     async def __call__(self, delta: str) -> None:
         if delta:
@@ -84,16 +85,16 @@ class TextStream:
             await self._written()  # the reply's text before the reply's record, if it can
 
     def _send_due(self) -> None:
-        if self.writing is not None:
-            return  # sent when the piece on its way is written (``_on_written``)
-        cut = self._cut()
-        if cut < MIN_CHARS:
-            return
+        if self.writing is not None or len(self.pending) < MIN_CHARS:
+            return  # (a piece on its way: the next is sent once it is written, ``_on_written``)
         wait = self.last_sent + MIN_INTERVAL_S - self.clock()
-        if wait <= 0:
+        if wait > 0:  # where to cut is worked out once a piece may go, not at every delta
+            if self.timer is None:  # the model may pause: send what is due without the next delta
+                self.timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
+            return
+        cut = self._cut()
+        if cut >= MIN_CHARS:
             self._send(cut)
-        elif self.timer is None:  # the model may pause: send what is due without the next delta
-            self.timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
 
     def _on_timer(self) -> None:
         self.timer = None
@@ -105,13 +106,18 @@ class TextStream:
         if len(self.pending) < MAX_HOLD_CHARS:
             match = _LAST_SPACE.search(self.pending)
             return match.start() + 1 if match else 0
-        at = cut(self.pending, 0, len(self.pending))
-        if at < len(self.pending) or len(self.pending) >= HOLD_SECRET_CHARS or not runs_on(self.pending):
+        size, since = len(self.pending), self.pending[self.held :]
+        if self.held and size < HOLD_SECRET_CHARS and value_run(since) == len(since):
+            self.held = size  # the secret held goes on (none of what came since can end it)
+            return 0
+        at, self.held = cut(self.pending, 0, size), 0
+        if at < size or size >= HOLD_SECRET_CHARS or not runs_on(self.pending):
             return at
-        return 0  # the secret at its end may go on: wait for the rest of it
+        self.held = size  # the secret at its end may go on: wait for the rest of it
+        return 0
 
     def _send(self, at: int) -> None:
-        piece, self.pending = self.pending[:at], self.pending[at:]
+        piece, self.pending, self.held = self.pending[:at], self.pending[at:], 0
         if self.masking:  # the rest of a secret sent masked already
             rest = value_run(piece)
             piece, self.masking = piece[rest:], rest == len(piece)
