@@ -190,8 +190,15 @@ local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_claime
   'corrections', 'cost_usd')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
-if st[1] == 'paused' then return {'paused'} end
 local it = tonumber(arg(1))
+if st[1] == 'paused' then
+  -- parked: this worker took the turn's current message and drops it; the resume sends
+  -- the turn again without looking for it in the queue (it is not lost)
+  if tonumber(st[2]) + 1 == it and st[3] == 'turn' and tonumber(arg(2)) >= (tonumber(st[8]) or 0) then
+    redis.call('HSET', RUN, 'turn_taken', arg(2))
+  end
+  return {'paused'}
+end
 if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' then return {'stale'} end
 if tonumber(arg(2)) < (tonumber(st[8]) or 0) then return {'stale'} end  -- superseded message
 if st[4] == '1' and tonumber(st[5]) > NOW then return {'busy'} end
@@ -354,7 +361,13 @@ if p.allowed == true and (p.approval == true or arg(7) == '1') and arg(9) ~= '1'
 end
 if tonumber(arg(3)) < c.gen then return {'stale'} end  -- superseded message
 if c.kind == 's' and c.deadline > NOW then return {'busy'} end
-if st[1] == 'paused' then return {'paused'} end
+if st[1] == 'paused' then
+  if c.kind == 'q' or c.kind == 'x' then  -- parked: taken and dropped, sent again at resume
+    c.taken = tonumber(arg(3))
+    put(key, c)
+  end
+  return {'paused'}
+end
 local lost = c.kind ~= 'q' and (http or arg(8) ~= '1')
 c.kind, c.deadline, c.owner, c.taken = 's', NOW + LEASE, arg(4), tonumber(arg(3))
 c.attempts = c.attempts + 1
@@ -398,7 +411,10 @@ local gen = redis.call('HINCRBY', RUN, 'turn_gen', 1)
 redis.call('HSET', RUN, 'phase', 'turn', 'turn_claimed', 0, 'turn_attempts', 0,
   'turn_owner', '', 'turn_error', '', 'turn_deadline', NOW + LEASE, 'updated_at', NOW)
 next_look()
-if st[1] == 'paused' then return {'paused'} end
+if st[1] == 'paused' then  -- parked: no message is sent; the resume sends the turn
+  redis.call('HSET', RUN, 'turn_taken', gen)
+  return {'paused'}
+end
 return {'next', gen}
 """
 
@@ -717,19 +733,21 @@ return {now, redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[
         redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, ARGV[3])}
 """
 
-# Which of these task ids are in a kombu queue (a Redis list)? KEYS: the list.
-# ARGV: task ids -> those found. One pass over the list, in chunks.
+# Which of these task ids are in one slice of a kombu queue (a Redis list)? KEYS: the
+# list. ARGV: the slice's first index (0: the newest message), its length, task ids
+# -> {entries examined, ids found...}. One slice per call: Redis is never held for a pass
+# over a long queue (RunStore.queued walks the slices).
 QUEUED = """
 local want = {}
-for i = 1, #ARGV do want[ARGV[i]] = true end
-local found, n = {}, redis.call('LLEN', KEYS[1])
-for start = 0, n - 1, 1000 do
-  for _, m in ipairs(redis.call('LRANGE', KEYS[1], start, start + 999)) do
-    local id = string.match(m, '"id": ?"([^"]+)"')
-    if id and want[id] then found[#found + 1] = id want[id] = nil end
-  end
+for i = 3, #ARGV do want[ARGV[i]] = true end
+local first = tonumber(ARGV[1])
+local slice = redis.call('LRANGE', KEYS[1], first, first + tonumber(ARGV[2]) - 1)
+local out = {#slice}
+for _, m in ipairs(slice) do
+  local id = string.match(m, '"id": ?"([^"]+)"')
+  if id and want[id] then out[#out + 1] = id want[id] = nil end
 end
-return found
+return out
 """
 
 # The scripts that run on one run's keys (PRELUDE + script); DUE and QUEUED stand alone.

@@ -63,10 +63,11 @@ def mask(value: str) -> str:
 def scrub_text(text: str) -> str:
     """``text`` with credential values and token shapes masked.
 
-    A long text is scrubbed in pieces of about ``PIECE_CHARS``, each cut at a whitespace
-    and scrubbed together with the end of the previous one (``continued``): one regex pass
-    holds the GIL throughout, and a 5 MB output in one pass starved the tool worker's
-    heartbeat thread for seconds (its call was declared lost).
+    A long text is scrubbed in pieces of about ``PIECE_CHARS``, each cut where no secret
+    runs across (``cut``) and scrubbed together with the end of the previous one
+    (``continued``): one regex pass holds the GIL throughout, and a 5 MB output in one
+    pass starved the tool worker's heartbeat thread for seconds (its call was declared
+    lost). The pieces give what one pass would.
     """
     if not text:
         return text
@@ -95,16 +96,77 @@ def _scrub(text: str) -> str:
 
 
 def _pieces(text: str) -> list[str]:
-    """``text`` in pieces of about PIECE_CHARS, each ending at a whitespace when one is near."""
+    """``text`` in pieces of about PIECE_CHARS, each ending where no secret runs across."""
     pieces, start = [], 0
     while start < len(text):
-        end = min(len(text), start + PIECE_CHARS)
-        if end < len(text):
-            space = max(text.rfind(c, end - 4096, end) for c in " \n\t")
-            end = space + 1 if space > start else end
+        end = len(text) if len(text) - start <= PIECE_CHARS else cut(text, start, start + PIECE_CHARS)
         pieces.append(text[start:end])
         start = end
     return pieces
+
+
+CUT_WINDOW = 4096  # how far back from a piece's natural end a cut is looked for
+CHECK_CHARS = 8192  # how much before a cut is scrubbed to see whether a masked match runs to it
+TOKEN_START_CHARS = 256  # a token's first characters this close to a cut: cut before them
+_BREAK = re.compile(r"""[\s"']""")  # no pattern runs across these (a pair's key and value:
+# ``continued`` joins them again)
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_.-]")  # no token shape holds these
+_STOP_CHAR = re.compile(rf"[{_STOP}]")  # every credential value ends before one of these
+_TOKEN_START = re.compile(r"sk-|gh[pousr]_|github_pat_|AKIA|ASIA|xox|eyJ")
+# the first characters of a token shape, up to the end of the text
+_TOKEN_HEADS = re.compile(r"(?:s|sk|g|gh|gh[pousr]|github|github_(?:p|pa|pat)?|A|AK|AKI|AS|ASI|x|xo|e|ey)\Z")
+CANDIDATES = 4  # cuts after a character no token holds, tried before a run of token characters
+
+
+def cut(text: str, start: int, end: int) -> int:
+    """Where the piece ``text[start:]`` should end, near ``end``, so that no secret runs
+    across two pieces (a secret cut in two was masked in neither: issue 22 item 7):
+
+    1. just after the last whitespace or quote of the last ``CUT_WINDOW`` characters;
+    2. else just after one of the last characters no token shape holds (``+``, ``/``,
+       ``,``...), where no masked match ends (a credential's value may hold ``+`` or ``/``);
+    3. else, in a run of token characters: past the run when a masked match runs into it
+       (the piece is longer), or before a token's first characters close to the cut.
+
+    ``len(text)`` when the run goes on to the end of ``text``. ``end`` may be ``len(text)``
+    (a live stream, which more text may continue).
+    """
+    low = max(start + 1, end - CUT_WINDOW)
+    window = text[low:end]
+    breaks = [m.end() for m in _BREAK.finditer(window)]
+    if breaks:
+        return low + breaks[-1]
+    for found in [m.end() for m in _NOT_TOKEN.finditer(window)][-CANDIDATES:][::-1]:
+        if not _masked_to(text, max(start, low + found - CHECK_CHARS), low + found):
+            return low + found
+    if _masked_to(text, start, end):  # a secret runs on (it began in this piece): take all of it
+        after = _STOP_CHAR.search(text, end)
+        return after.end() if after else len(text)
+    # a token whose first characters lie close before the cut and run on to it (not masked:
+    # still too short, or only begun): cut before it
+    near = _TOKEN_START.finditer(text, max(start + 1, end - TOKEN_START_CHARS), end + 32)
+    starts = [m.start() for m in near if m.start() < end and not _NOT_TOKEN.search(text, m.start(), end)]
+    if end == len(text):  # a live stream: its end may be a token's first characters
+        starts += [i for i in range(max(start + 1, end - 10), end) if _TOKEN_HEADS.match(text, i)][:1]
+    return min(starts) if starts else end
+
+
+def runs_on(text: str) -> bool:
+    """Does a masked match run to the end of ``text`` (more text may continue it)?"""
+    return _masked_to(text, max(0, len(text) - CHECK_CHARS), len(text))
+
+
+def value_run(text: str) -> int:
+    """How many of ``text``'s first characters may continue a credential's value or a token."""
+    stop = _STOP_CHAR.search(text)
+    return stop.start() if stop else len(text)
+
+
+def _masked_to(text: str, start: int, at: int) -> bool:
+    """Does a match masked in ``text[start:at]`` end right at ``at``? Then it may run on."""
+    before = text[start:at]
+    clean = _scrub(before)
+    return clean != before and clean.endswith(SHORT_MASK)
 
 
 def continued(context: str, piece: str) -> str:
@@ -114,7 +176,10 @@ def continued(context: str, piece: str) -> str:
     whole = _scrub(context + piece)
     if whole.startswith(context):
         return whole[len(context) :]
-    return _scrub(piece)  # the context changed: mask the piece on its own
+    # A match began in the context and runs into the piece (a secret cut in two: ``cut``
+    # avoids it, a live stream cannot always): what was sent stays, the rest is masked.
+    same = next((i for i, (a, b) in enumerate(zip(whole, context, strict=False)) if a != b), len(context))
+    return whole[same:]
 
 
 def tail_words(text: str, words: int = 3, limit: int = 200) -> str:

@@ -43,6 +43,9 @@ from orchestrator.models import (
 )
 from orchestrator.settings import Settings, get_settings
 
+QUEUE_SCAN_SLICE = 1_000  # entries of a broker queue one script reads (~10 ms of Redis, loaded)
+QUEUE_SCAN_MAX = 50_000  # entries one look into a queue reads at most
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -291,12 +294,17 @@ class RunStore:
         return CallStart(verdict, parse_spec(_s(out[1])), json.loads(out[2]))
 
     def record_call(self, run_id: str, iteration: int, index: int, owner: str, record: ToolCallRecord,
-                    tool_message: str, gen: int = 0) -> tuple[str, int]:  # fmt: skip
+                    tool_message: str, gen: int = 0, worker: str = "") -> tuple[str, int]:  # fmt: skip
         """Record one call; ('next', generation) means the turn's barrier passed: send the
-        next turn. ``owner`` '' records for nobody (the sweeper), if ``gen`` is still current."""
+        next turn. ``owner`` '' records for nobody (the sweeper), if ``gen`` is still current.
+        ``worker``: the Celery node that ran it, kept beside the record (the console shows
+        it; ``RunResult`` does not carry it)."""
+        stored = record.model_dump_json()
+        if worker:
+            stored = json.dumps({**json.loads(stored), "worker": worker})
         out = self._run(
             "RECORD_CALL", run_id, call_key(iteration, index), iteration, owner, gen,
-            record.model_dump_json(), tool_message, record.tool_name, int(record.success),
+            stored, tool_message, record.tool_name, int(record.success),
         )  # fmt: skip
         return _s(out[0]), int(out[1]) if len(out) > 1 else 0
 
@@ -411,10 +419,23 @@ class RunStore:
         return None
 
     def queued(self, client: redis.Redis, queue_key: str, task_ids: list[str]) -> set[str]:
-        """Which of ``task_ids`` wait in a kombu queue (a list on the broker's Redis)."""
-        if not task_ids:
-            return set()
-        return {_s(i) for i in self._queued(keys=[queue_key], args=task_ids, client=client)}
+        """Which of ``task_ids`` wait in a kombu queue (a list on the broker's Redis).
+
+        The list is read one slice of QUEUE_SCAN_SLICE entries per script, newest first: a
+        message published meanwhile only pushes the others deeper, so none slips past the
+        cursor, and Redis is never held for a pass over a long queue (one script over a
+        100,000-message backlog held it for seconds). A look stops at QUEUE_SCAN_MAX
+        entries: what it did not reach counts as waiting (its step is looked at again a
+        lease later; in a backlog that deep it waits behind the others anyway)."""
+        left, found, first = set(task_ids), set(), 0
+        while left and first < QUEUE_SCAN_MAX:
+            out = self._queued(keys=[queue_key], args=[first, QUEUE_SCAN_SLICE, *left], client=client)
+            hits = {_s(i) for i in out[1:]}
+            found, left = found | hits, left - hits
+            if int(out[0]) < QUEUE_SCAN_SLICE:  # the end of the list
+                return found
+            first += QUEUE_SCAN_SLICE
+        return found | left
 
     def drop_expired(self, shard: int, members: list[str], now: int) -> int:
         """Remove ended runs whose keys expired from the shard's run indexes (a run whose

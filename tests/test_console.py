@@ -196,6 +196,7 @@ def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, work
     expect(turns).to_have_count(1)
     expect(tool_call(page, "c-add")).to_have_attribute("data-success", "true")
     expect(tool_call(page, "c-add").locator(".output")).to_have_text("5")
+    expect(tool_call(page, "c-add").get_by_test_id("call-worker")).to_have_text(f"on tools@{worker.name}")
     leak = tool_call(page, "c-leak")
     expect(leak).to_have_attribute("data-success", "true")
     expect(leak.locator(".output")).to_contain_text("[REDACTED]")  # a secret in a tool output: masked
@@ -235,7 +236,13 @@ def test_pause_steer_resume_and_the_model_sees_the_steer(
     page = acme
     page.goto(f"/runs/{handle.run_id}")
     expect(status(page)).to_have_text(re.compile("queued|running"))
-    page.get_by_test_id("pause").click()
+    for _ in range(40):  # keyboard only: Tab until the pause button has the focus, then Enter
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.dataset.testid") == "pause":
+            break
+    else:
+        raise AssertionError("the pause button cannot be reached with the keyboard")
+    page.keyboard.press("Enter")
     expect(status(page)).to_have_text("paused")
     expect(page.get_by_test_id("action-result")).to_contain_text("Paused")
     expect(page.get_by_test_id("resume")).to_be_enabled()
@@ -274,6 +281,16 @@ def test_approve_shows_inputs_first_and_a_denial_reaches_the_model(
     page.goto(f"/runs/{handle.run_id}")
     approve, deny = page.get_by_test_id("approve-g1"), page.get_by_test_id("deny-g2")
     expect(approve).to_be_visible()
+    # the fleet, as `tooloop doctor` says it: live workers, their queues and sandbox layers,
+    # queue depths, and this tenant's runs waiting for a person
+    fleet = page.context.new_page()
+    fleet.goto("/fleet")
+    tools_row = fleet.get_by_test_id("worker").filter(has_text=f"tools@{worker.name}")
+    expect(tools_row).to_contain_text(client.store.keys.tool_queue)
+    expect(tools_row.locator(".badge").first).to_be_visible()  # a live sandbox layer
+    expect(fleet.get_by_test_id("queue-depth").first).to_have_text(re.compile(r"^\d+$"))
+    expect(fleet.locator(f'a[href="/runs/{handle.run_id}"]')).to_be_visible()
+    fleet.close()
     expect(tool_call(page, "g1").locator(".inputs")).to_contain_text("ship it")  # inputs before deciding
     expect(tool_call(page, "g2").locator(".inputs")).to_contain_text("drop tables")
     expect(tool_call(page, "g1")).to_have_attribute("data-success", "pending")
@@ -329,9 +346,16 @@ def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(
         tenant="acme",
         model_params={"stream": True},
     )
-    with _page(browser, console_url, sessions["acme"], viewport={"width": 390, "height": 844}) as page:
+    phone = {"viewport": {"width": 390, "height": 844}, "timezone_id": "Asia/Kathmandu", "locale": "en-GB"}
+    with _page(browser, console_url, sessions["acme"], **phone) as page:
         handle = client.submit(data)
         page.goto(f"/runs/{handle.run_id}")
+        created = page.locator("#header dd time").first  # shown in the viewer's zone (UTC+05:45)
+        stamp = created.get_attribute("datetime")
+        shown = page.evaluate(
+            "s => new Date(s).toLocaleString('en-GB', {timeZone: 'Asia/Kathmandu'})", stamp
+        )
+        expect(created).to_have_text(shown)
         expect(page.get_by_test_id("turn-pending")).to_be_visible()
         start.set()  # the page is open: the reply starts streaming, then stalls after its first piece
         streaming = page.locator('[data-testid="turn-pending"] [data-testid="model-text"]')

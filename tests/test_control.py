@@ -95,6 +95,71 @@ def test_pause_at_turn_boundary_then_resume(client, worker, spec, model_server, 
     assert handle.wait(timeout=20).content == "done"
 
 
+def _turn_parked(store, run_id: str) -> bool:
+    """The run waits, paused, for its next turn, whose message was taken and dropped (or
+    never sent): nothing of it waits in a queue."""
+    state = store.state(run_id)
+    return (state.get("status"), state.get("phase")) == ("paused", "turn") and (
+        int(state.get("turn_taken") or 0) >= int(state.get("turn_gen") or 0))  # fmt: skip
+
+
+def _call_parked(store, run_id: str, key: str) -> bool:
+    """The call waits, paused, and its message was taken and dropped (kind|deadline|attempts|
+    generation|taken|...: the call state's fields, orchestrator/scripts.py ``put``)."""
+    raw = (store.redis.hget(store.keys.call_state(run_id), key) or b"").decode()
+    fields = raw.split("|")
+    return store.status(run_id) == Status.paused and len(fields) > 4 and fields[0] == "q" and (
+        int(fields[4]) >= int(fields[3]))  # fmt: skip
+
+
+def test_a_pause_and_resume_is_not_reported_as_a_lost_message(client, worker, spec, model_server, store,
+                                                              holds, caplog):  # fmt: skip
+    """Issue 22 item 15: a step parked by a pause (its message taken by a worker that found
+    the run paused, or never sent because the run was paused) was told from a step whose
+    message waits in its queue only by looking in the queue, where it was gone: each resume
+    wrote a `recovery` event, counted tooloop_recoveries_total and logged "message lost;
+    sent again". The pause path now says so itself. The three ways a step parks, in one
+    run: a turn whose message a worker took (after a corrected reply), a call whose message
+    a worker took (a reply landing after the pause), a next turn never sent (the last call
+    recorded after the pause)."""
+    from tests.helpers import gate
+
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": }</tool_call>'  # corrected: 'continue'
+    first, second = gate(holds), gate(holds)
+    s = spec([{"content": broken, "hold": first}, tools(call("add", {"a": 1, "b": 2}), hold=second),
+              tools(call("wait_for_file", {"name": "go"})), {"content": "done"}],
+             tools=["add", "wait_for_file"])  # fmt: skip
+    caplog.set_level("WARNING", logger="worker.maintenance")
+    handle = client.submit(s)
+    run_id = handle.run_id
+    # 1. a turn's message taken by a worker that found the run paused
+    wait_for(lambda: len(model_server.calls(s["model"])) == 1)
+    assert handle.pause() == "ok"
+    first.set()
+    wait_for(lambda: _turn_parked(store, run_id) and store.state(run_id).get("iteration") == "1")
+    assert handle.resume() == "ok"
+    # 2. a call's message taken by a worker that found the run paused
+    wait_for(lambda: len(model_server.calls(s["model"])) == 2)
+    assert handle.pause() == "ok"
+    second.set()
+    wait_for(lambda: _call_parked(store, run_id, "2.0"))
+    assert handle.resume() == "ok"
+    # 3. the last call recorded while paused: the next turn is never sent
+    wait_for(lambda: (store.redis.hget(store.keys.call_state(run_id), "3.0") or b"x")[:1] == b"s")
+    assert handle.pause() == "ok"
+    Path(os.environ["TOOLOOP_SANDBOX_ROOT"], run_id, "go").write_text("")
+    wait_for(lambda: _turn_parked(store, run_id) and store.state(run_id).get("iteration") == "3")
+    assert handle.resume() == "ok"
+
+    result = handle.wait(timeout=60)
+    assert (result.status, result.content) == (Status.completed, "done"), result.error
+    assert [r.output for r in result.tool_calls] == [3, "go"]
+    assert len(model_server.calls(s["model"])) == 4  # each turn asked once
+    kinds = [e.type for e in handle.events()]
+    assert "recovery" not in kinds, kinds
+    assert not [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+
+
 def test_pause_holds_no_worker_slot(deployment, spec):
     d = deployment()
     d.start_worker("-c", "1")

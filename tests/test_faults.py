@@ -543,3 +543,51 @@ def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deploym
     workers = diagnose(d.store)["workers"]
     assert workers[f"tools@{keyless.name}"]["secret_key"] is False
     assert workers[f"turns@{d.workers[0].name}"]["secret_key"] is True
+
+
+# -- issue 22 item 13: the sweeper's look into a queue of any length ---------------------------
+def test_looking_for_messages_in_a_long_queue_never_blocks_redis(monkeypatch):
+    """The sweeper looks for late steps' messages in their queue. It did so in one Lua
+    script over the whole list: at a 100,000-message backlog Redis answered nobody for
+    seconds, every round, per sweeping worker (here 2.5 s on a loaded box). Now each script
+    examines a bounded slice (the newest first, where no message can slip past the cursor),
+    and a round examines at most QUEUE_SCAN_MAX entries: a message deeper than that is
+    taken as still waiting (looked for again later), never as lost. Redis's own SLOWLOG
+    (time spent inside each command, whatever the clients' load) is the witness."""
+    import redis
+
+    from orchestrator import store as store_module
+    from orchestrator.settings import Settings
+    from orchestrator.store import RunStore
+    from tests.conftest import free_port, start_redis
+
+    port = free_port()
+    server = start_redis(port)  # its own: the slow log is the server's, and 35 MB are written
+    try:
+        r = redis.Redis(port=port)
+        store = RunStore(r, Settings(key_prefix="scan"))
+        depth, queue = 100_000, "scan.turns"
+
+        # the shape kombu gives a Celery message, about 330 bytes, LPUSHed as kombu publishes
+        # (t-0 is the oldest, at the tail); written by a script: 100,000 round trips cost seconds
+        shape = json.dumps({"body": "e" * 200, "content-encoding": "utf-8",
+                            "headers": {"lang": "py", "task": "tooloop.turn", "id": "t-%d"},
+                            "properties": {"delivery_tag": "tag-%d"}})  # fmt: skip
+        fill = ("for i = 0, tonumber(ARGV[2]) - 1 do"
+                " redis.call('LPUSH', KEYS[1], string.format(ARGV[1], i, i)) end")  # fmt: skip
+        r.eval(fill, 1, queue, shape, depth)
+        r.slowlog_reset()
+        monkeypatch.setattr(store_module, "QUEUE_SCAN_MAX", 2 * depth)  # a look at the whole queue
+        wanted = ["t-0", "t-50000", f"t-{depth - 1}", "t-gone", "t-also-gone"]
+        assert store.queued(r, queue, wanted) == {"t-0", "t-50000", f"t-{depth - 1}"}
+        slow = [(e["duration"], e["command"][:40]) for e in r.slowlog_get(128) if e["duration"] > 200_000]
+        assert slow == [], slow  # no command inside Redis took 200 ms (the old script: seconds)
+        # a round looks at most QUEUE_SCAN_MAX entries: deeper ones count as waiting, not lost
+        monkeypatch.setattr(store_module, "QUEUE_SCAN_MAX", 10_000)
+        capped = ["t-0", "t-gone", f"t-{depth - 5}"]  # the newest is found; the others not reached
+        assert store.queued(r, queue, capped) == set(capped)
+        r.delete(queue)
+        assert store.queued(r, queue, ["t-0"]) == set()  # an empty queue holds nothing, at once
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -4,6 +4,7 @@ worker's variables sent where the operator did not allow)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import socket
@@ -45,7 +46,8 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length).decode() if length else ""
         seen = {"method": self.command, "path": url.path, "query": parse_qs(url.query),
-                "auth": self.headers.get("Authorization"), "body": body}  # fmt: skip
+                "auth": self.headers.get("Authorization"), "body": body,
+                "host": self.headers.get("Host")}  # fmt: skip
         _Handler.seen.append(seen)
         if url.path == "/redirect":
             self._reply(302, b"", Location=parse_qs(url.query)["to"][0])
@@ -336,3 +338,47 @@ def test_templates_take_bare_placeholders_only(client, spec, site, tmp_path):
     assert time.monotonic() - started < 5
     with pytest.raises(Refused, match="only bare"):
         http_tools._render(wide, {"q": "x"})  # the renderer itself takes no format spec
+
+
+def test_a_pinned_connection_still_names_the_host_in_http_and_tls(site, monkeypatch, tmp_path):
+    """Item 1's other half: the socket goes to the checked address, and the request still
+    names the host: its Host header, and TLS's server name (SNI; the certificate is then
+    checked against that name, not the address). A TLS server on loopback with a
+    certificate nobody trusts records the name the client asked for, and the call fails
+    on the certificate, never reaching the handler."""
+    import ssl
+    import subprocess
+
+    from worker.sources import http_tools
+
+    port, name = int(site.split(":")[1]), "pinned.test"
+    monkeypatch.setattr(socket, "getaddrinfo", _Resolver(name, [["127.0.0.1"]]))
+    plain = _tool(site, url=f"http://{name}:{port}/items/{{id}}", allow_hosts=[f"{name}:{port}"])
+    outcome = http_tools.call(plain, {"id": 7}, 10, Settings(), lambda: True)
+    assert outcome.ok and outcome.output["body"]["host"] == f"{name}:{port}", outcome
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    f"/CN={name}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    asked: list[str | None] = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda _sock, server_name, _ctx: asked.append(server_name)
+    listener = socket.create_server(("127.0.0.1", 0))
+    tls_port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            context.wrap_socket(conn, server_side=True).close()
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        tls = _tool(site, url=f"https://{name}:{tls_port}/items/{{id}}", allow_hosts=[f"{name}:{tls_port}"])
+        outcome = http_tools.call(tls, {"id": 8}, 10, Settings(), lambda: True)
+    finally:
+        listener.close()
+    assert not outcome.ok and "CERTIFICATE_VERIFY_FAILED" in outcome.error, outcome.error
+    assert asked == [name]  # SNI named the host, though the socket went to 127.0.0.1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,4 +104,7 @@ def test_the_demo_leaves_nothing_in_tmpdir(tmp_path) -> None:
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "demo finished: all runs completed" in done.stderr
+    # the run console's address and a token to sign in with (issue 23: from the README alone)
+    console = r"run console: http://127\.0\.0\.1:\d+/ +\(sign in with the token \S{16,}\)"
+    assert re.search(console, done.stderr), done.stderr[-2000:]
     assert os.listdir(tmp_path) == []

@@ -67,6 +67,54 @@ def test_long_text_is_scrubbed_in_pieces_and_nothing_slips_between_them():
             assert clean == scrub._scrub(text), (secret, shift)  # as one pass would
 
 
+LONG_KEY = "sk-proj-" + "Ab3dE7fG9h" * 5  # 58 characters, no whitespace around it below
+BASE64 = "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo+/0123456789abcdefghij"  # 56: base64, '+' and '/'
+LONG_VALUE = "s3cR3tV4lu3+/" * 5  # a credential's value: base64, 65 characters
+
+
+def _around_the_boundary(shape: str, at: int) -> str:
+    """Text without whitespace of ``shape`` whose secret starts ``at`` characters before the
+    first piece's end (PIECE_CHARS): before the fix, the piece boundary cut it."""
+    from orchestrator.scrub import PIECE_CHARS
+
+    def fill(n: int) -> str:
+        return (BASE64 * (n // len(BASE64) + 1))[:n]
+
+    before = {  # what comes before the secret, and after it
+        "json": ('{"blob":"', '","ref":"', '","more":"', '"}'),  # minified JSON: a token shape
+        "json-pair": ('{"blob":"', '","api_key":"', '","more":"', '"}'),  # a credential-named field
+        "query": ("data=", "&ref=", "&next=", ""),  # a query string: base64 values, no quotes
+        "pair-base64": ("data=", "&client_secret=", "&next=", ""),  # a long value holding + and /
+        "run": ("", "_", "_", ""),  # one run of token characters: the token runs to its end
+    }[shape]
+    opening, lead, trail, closing = before
+    secret = LONG_KEY if shape != "pair-base64" else LONG_VALUE
+    head = opening + fill(PIECE_CHARS - at - len(opening) - len(lead)) + lead
+    if shape == "run":
+        head = "x" * (PIECE_CHARS - at - 1) + "_"
+        return head + secret + trail + "y" * 20_000  # the token runs on through the next piece
+    return head + secret + trail + fill(2_000) + closing
+
+
+@pytest.mark.parametrize("shape", ["json", "json-pair", "query", "pair-base64", "run"])
+def test_a_secret_cut_at_a_piece_boundary_of_text_without_whitespace_is_masked(shape, monkeypatch):
+    """Issue 22 item 7: minified JSON or base64 has no whitespace to cut a long text at, so
+    its pieces were cut at PIECE_CHARS; a secret straddling the cut changed the context it
+    was scrubbed with, and the piece was then scrubbed alone: the key's characters after
+    the cut came out in clear. At every offset the pieces now give what one pass gives."""
+    from orchestrator import scrub
+
+    monkeypatch.setattr(scrub, "PIECE_CHARS", 16_384)  # smaller pieces, the same cuts: 4x quicker
+
+    secret = LONG_KEY if shape != "pair-base64" else LONG_VALUE
+    for at in range(-3, len(secret) + 4):
+        text = _around_the_boundary(shape, at)
+        clean = scrub_text(text)
+        assert clean == scrub._scrub(text), (shape, at)  # as one pass would
+        assert not [secret[i : i + 12] for i in range(4, len(secret) - 12) if secret[i : i + 12] in clean], (
+            shape, at)  # fmt: skip
+
+
 def test_hints_fold_case_as_the_pattern_does():
     # re.IGNORECASE matches these spellings; the cheap check that skips the pattern must see them too
     for key in ("PASSWORD", "pa\u017fsword", "api_\u212aey", "credent\u0131al", "credent\u0130al"):

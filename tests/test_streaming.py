@@ -81,6 +81,59 @@ def test_a_secret_straddling_two_pieces_is_still_masked():
     assert "hunt*[REDACTED]" in joined and "sk-a*[REDACTED]" in joined
 
 
+def test_a_secret_in_streamed_text_without_whitespace_is_masked_at_every_cut():
+    """Issue 22 item 7, streamed: past MAX_HOLD_CHARS without a whitespace (minified JSON,
+    base64) all that was buffered went out, and a key straddling that cut came out in clear
+    after it. At every offset of the key around the cut, what watchers get is what one pass
+    over the whole reply gives."""
+    from orchestrator import scrub
+    from worker.streaming import MAX_HOLD_CHARS
+
+    key = "sk-proj-" + "Ab3dE7fG9h" * 5
+    b64 = "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo+/0123456789abcdefghij"
+
+    def fill(n: int) -> str:
+        return (b64 * (n // len(b64) + 1))[:n]
+
+    shapes = {  # (before the key, after it): no whitespace anywhere
+        "json": (lambda n: '{"blob":"' + fill(n - 16) + '","ref":"', '","more":"' + fill(9000) + '"}'),
+        "query": (lambda n: "data=" + fill(n - 10) + "&ref=", "&next=" + fill(9000)),
+        "run": (lambda n: "x" * (n - 1) + "_", "_" + "y" * 9000),
+    }
+    step = 31  # the deltas' size: the first cut is looked for once MAX_HOLD_CHARS are buffered
+    first_cut = -(-MAX_HOLD_CHARS // step) * step
+    for shape, (before, after) in shapes.items():
+        for at in range(-3, len(key) + 10):
+            text = before(first_cut - at) + key + after
+            sent: list[str] = []
+            ticks = itertools.count(0.0, 10.0)  # a clock that never makes the stream wait
+
+            async def go(text: str = text, sent: list[str] = sent, ticks: Any = ticks) -> None:
+                stream = TextStream(sent.append, clock=lambda: next(ticks))
+                for i in range(0, len(text), step):
+                    await stream(text[i : i + step])
+                await stream("")
+
+            asyncio.run(go())
+            joined = "".join(sent)
+            assert len(sent) >= 2 or shape == "run", (shape, at)  # cut (a run's secret may be held)
+            assert joined == scrub._scrub(text), (shape, at)
+            assert key[4:16] not in joined and key[-12:] not in joined, (shape, at)
+    # a secret that runs on past HOLD_SECRET_CHARS: sent masked, the rest of it dropped
+    endless = "x" * 100 + "_" + key + "Q" * 70_000 + " and then words"
+    sent.clear()
+
+    async def flood() -> None:
+        ticks = itertools.count(0.0, 10.0)
+        stream = TextStream(sent.append, clock=lambda: next(ticks))
+        for i in range(0, len(endless), 1000):
+            await stream(endless[i : i + 1000])
+        await stream("")
+
+    asyncio.run(flood())
+    assert "".join(sent) == scrub._scrub(endless) == "x" * 100 + "_sk-p*[REDACTED] and then words"
+
+
 # -- watchers of a real run -----------------------------------------------------------------------
 class Watcher(threading.Thread):
     """Collects (arrival time, event) from one kind of watcher until the outcome."""

@@ -170,3 +170,14 @@ def tagged_sleep(seconds: float, sandbox_root: str) -> int:
     time.sleep(seconds)
     open(os.path.join(sandbox_root, f"done-{pid}"), "w").close()
     return pid
+
+
+@tool
+def wait_for_file(name: str, sandbox_root: str, seconds: float = 60) -> str:
+    """Return once ``name`` exists in the run's folder: a test's gate on a running call."""
+    path, deadline = os.path.join(sandbox_root, name), time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} never came")
+        time.sleep(0.02)
+    return name

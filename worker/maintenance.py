@@ -268,8 +268,9 @@ class Sweeper:
 
     def _queued(self, queue: str, task_ids: list[str]) -> set[str]:
         """Task ids found waiting in ``queue``. kombu's Redis transport keeps a queue as a
-        list (``LPUSH`` to publish, ``BRPOP`` to consume): one server-side pass finds
-        them. RabbitMQ cannot be searched by id, and drops a message past its delivery
+        list (``LPUSH`` to publish, ``BRPOP`` to consume), read a slice per script, newest
+        first, never in one pass that would hold Redis (``RunStore.queued``). RabbitMQ
+        cannot be searched by id, and drops a message past its delivery
         limit: a message past its deadline is late while its queue holds a backlog it may
         wait behind, and gone once nothing waits there (a resend is fenced by generation,
         and with no backlog it cannot pile up)."""

@@ -11,7 +11,10 @@ the model pauses); the end of the reply sends what is left (it may be shorter),
 still no sooner than ``MIN_INTERVAL_S`` after the previous piece. Each piece ends at
 a whitespace, so a token is never split between two pieces, and is scrubbed together
 with the end of the previous piece, so a ``password: ...`` pair that straddles two
-pieces is still masked.
+pieces is still masked. Text without whitespace (minified JSON, base64) is cut past
+``MAX_HOLD_CHARS`` where no secret runs across (``orchestrator.scrub.cut``); a secret
+that runs on to the end of what was received is held until it ends (at most
+``HOLD_SECRET_CHARS``; past that it is sent masked, and the rest of it is dropped).
 
 Off the loop: the stream runs on the process's event loop, beside every model call
 in flight there, so it never writes to Redis itself. A ``TextWriter`` (one thread
@@ -36,13 +39,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.scrub import continued, tail_words
+from orchestrator.scrub import SHORT_MASK, continued, cut, runs_on, tail_words, value_run
 
 log = logging.getLogger(__name__)
 
 MIN_CHARS = 80
 MIN_INTERVAL_S = 0.5
 MAX_HOLD_CHARS = 4_000  # a run of text without whitespace this long is cut anyway
+HOLD_SECRET_CHARS = 65_536  # a masked secret running on to the end of the text is held this long
 PENDING_MAX = 1_000  # pieces waiting to be written, per process; past it a piece is dropped
 BATCH_MAX = 200  # pieces written in one round trip
 DRAIN_S = 2.0  # how long the end of a reply waits for its text to be written
@@ -64,6 +68,8 @@ class TextStream:
         self.last_sent = float("-inf")  # when the last piece was written
         self.timer: asyncio.TimerHandle | None = None
         self.writing: asyncio.Future | None = None  # the piece on its way, if any
+        self.masking = False  # the last piece ended inside a masked secret: drop the rest of it
+        self.held = 0  # > 0: ``pending`` ends in a secret that may go on (its length then)
 
     async def __call__(self, delta: str) -> None:
         if delta:
@@ -79,32 +85,49 @@ class TextStream:
             await self._written()  # the reply's text before the reply's record, if it can
 
     def _send_due(self) -> None:
-        if self.writing is not None:
-            return  # sent when the piece on its way is written (``_on_written``)
-        cut = self._cut()
-        if cut < MIN_CHARS:
-            return
+        if self.writing is not None or len(self.pending) < MIN_CHARS:
+            return  # (a piece on its way: the next is sent once it is written, ``_on_written``)
         wait = self.last_sent + MIN_INTERVAL_S - self.clock()
-        if wait <= 0:
+        if wait > 0:  # where to cut is worked out once a piece may go, not at every delta
+            if self.timer is None:  # the model may pause: send what is due without the next delta
+                self.timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
+            return
+        cut = self._cut()
+        if cut >= MIN_CHARS:
             self._send(cut)
-        elif self.timer is None:  # the model may pause: send what is due without the next delta
-            self.timer = asyncio.get_running_loop().call_later(wait, self._on_timer)
 
     def _on_timer(self) -> None:
         self.timer = None
         self._send_due()
 
     def _cut(self) -> int:
-        """How much of ``pending`` may go now: up to its last whitespace."""
-        if len(self.pending) >= MAX_HOLD_CHARS:
-            return len(self.pending)
-        match = _LAST_SPACE.search(self.pending)
-        return match.start() + 1 if match else 0
+        """How much of ``pending`` may go now: up to its last whitespace; past MAX_HOLD_CHARS
+        without one, where no secret runs across (a secret still running is held)."""
+        if len(self.pending) < MAX_HOLD_CHARS:
+            match = _LAST_SPACE.search(self.pending)
+            return match.start() + 1 if match else 0
+        size, since = len(self.pending), self.pending[self.held :]
+        if self.held and size < HOLD_SECRET_CHARS and value_run(since) == len(since):
+            self.held = size  # the secret held goes on (none of what came since can end it)
+            return 0
+        at, self.held = cut(self.pending, 0, size), 0
+        if at < size or size >= HOLD_SECRET_CHARS or not runs_on(self.pending):
+            return at
+        self.held = size  # the secret at its end may go on: wait for the rest of it
+        return 0
 
-    def _send(self, cut: int) -> None:
-        piece, self.pending = self.pending[:cut], self.pending[cut:]
+    def _send(self, at: int) -> None:
+        piece, self.pending, self.held = self.pending[:at], self.pending[at:], 0
+        if self.masking:  # the rest of a secret sent masked already
+            rest = value_run(piece)
+            piece, self.masking = piece[rest:], rest == len(piece)
         text = continued(self.context, piece)
         self.context = tail_words(self.context + text)
+        # sent past HOLD_SECRET_CHARS while a masked secret ran on: the rest of it is dropped
+        ran_on = text.endswith(SHORT_MASK) and value_run(piece[-1:]) == 1
+        self.masking = self.masking or ran_on
+        if not text:
+            return  # all of it was the rest of a masked secret
         try:
             written = self.sink(text)
         except Exception:  # a watcher's view is not worth the turn

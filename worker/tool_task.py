@@ -30,12 +30,13 @@ LOST = "WorkerLost: the worker running this call was lost; its outcome is unknow
 @app.task(name=TOOL_TASK)
 def run_tool(message: dict[str, Any], gen: int = 0) -> None:
     """``message`` only names the call (worker/calls.py): what it may do is read from Redis."""
-    ToolCall(get_store(), message, gen).run()
+    ToolCall(get_store(), message, gen, worker=run_tool.request.hostname or "").run()
 
 
 class ToolCall:
-    def __init__(self, store: RunStore, message: dict[str, Any], gen: int = 0) -> None:
+    def __init__(self, store: RunStore, message: dict[str, Any], gen: int = 0, worker: str = "") -> None:
         self.store, self.gen = store, gen
+        self.worker = worker  # the Celery node that runs the call (its record says so: the console)
         self.p: dict[str, Any] = calls.message(message)  # the view, once START_CALL answered
         self.tool: Tool | None = None
         self.http: dict[str, Any] | None = None  # a declared HTTP tool
@@ -156,7 +157,7 @@ class ToolCall:
                                               outcome.duration_ms)  # fmt: skip
         verdict, gen = with_retries(
             self.store.record_call, self.p["run_id"], self.p["iteration"], self.p["index"],
-            self.held.owner if owner is None else owner, record, message, self.gen,
+            self.held.owner if owner is None else owner, record, message, self.gen, self.worker,
             budget_s=self.store.settings.lease_s,
         )  # fmt: skip
         if verdict == "next":

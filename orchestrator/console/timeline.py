@@ -55,6 +55,7 @@ class CallView:
     success: bool | None = None  # None: not recorded yet
     error: str | None = None
     duration_ms: float | None = None
+    worker: str | None = None  # the Celery node that ran it
     waiting: bool = False  # waits for a person's decision
     approval: dict[str, Any] | None = None  # the approval record, when the call was gated
 
@@ -251,7 +252,7 @@ def _recorded(key: str, record: dict[str, Any], approval: dict[str, Any] | None)
         inputs=_pretty(record.get("inputs")),
         output=None if output is None and not record.get("success") else _shown_output(output),
         success=bool(record.get("success")), error=record.get("error"),
-        duration_ms=record.get("duration_ms"), approval=approval,
+        duration_ms=record.get("duration_ms"), worker=record.get("worker"), approval=approval,
     )  # fmt: skip
 
 
