@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from orchestrator import Status
-from orchestrator.children import Lineage, child_id, tree
+from orchestrator.children import child_id
 from orchestrator.client import load_spec
 from orchestrator.keys import shard_of
 from orchestrator.models import RunSpec
@@ -24,7 +23,8 @@ from tests.helpers import call, gate, tools, wait_for
 
 def child(model_server, steps, **fields) -> dict:
     """An inline child spec playing ``steps`` on the scripted model."""
-    return {"model": model_server.script(steps), "model_params": {"api_base": model_server.api_base}, **fields}
+    model = model_server.script(steps)
+    return {"model": model, "model_params": {"api_base": model_server.api_base}, **fields}
 
 
 def results(client, run_ids: list[str]) -> dict:
@@ -47,13 +47,14 @@ def test_one_child_then_two_in_parallel_then_a_failing_one(client, worker, spec,
 
         return step
 
-    researcher = child(model_server, [tools(call("add", {"a": 2, "b": 3})),
-                                      {"content": '{"outcome": "found", "result": {"sum": 5}}'}],
-                       tools=["add"], outcome={"enum": ["found", "none"]}, description="Adds numbers.")  # fmt: skip
+    answer = {"content": '{"outcome": "found", "result": {"sum": 5}}'}
+    researcher = child(model_server, [tools(call("add", {"a": 2, "b": 3})), answer], tools=["add"],
+                       outcome={"enum": ["found", "none"]}, description="Adds numbers.")  # fmt: skip
     looper = child(model_server, [tools(call("add", {"a": 1, "b": 1}))], tools=["add"], max_iterations=1)
     s = spec([
         tools(call("agent__researcher", {"prompt": "add 2 and 3"}, call_id="c_r")),
-        tools(call("agent__a", {"prompt": "go a"}, call_id="c_a"), call("agent__b", {"prompt": "go b"}, call_id="c_b")),
+        tools(call("agent__a", {"prompt": "go a"}, call_id="c_a"),
+              call("agent__b", {"prompt": "go b"}, call_id="c_b")),
         tools(call("agent__looper", {"prompt": "loop"}, call_id="c_l")),
         {"content": "all done"},
     ], agents={"researcher": researcher, "a": child(model_server, [meet("a", "b")]),
@@ -94,3 +95,232 @@ def test_one_child_then_two_in_parallel_then_a_failing_one(client, worker, spec,
     assert all(k in shown for k in result.children) and "researcher  completed (found)" in shown
     watched = _cli("watch", handle.run_id).stdout
     assert f"turn 1 child researcher run={by_call['c_r'].run_id} call=c_r" in watched
+
+
+PRICED = {"input_cost_per_token": 0.001, "output_cost_per_token": 0.002}  # 0.04 USD per 30-token reply
+
+
+def test_children_share_what_is_left_of_the_parents_budgets(client, worker, spec, model_server):
+    busy = [tools(call("add", {"a": i, "b": 1})) for i in range(10)]  # never answers by itself
+    # two children at once, 60 tokens left when they start: each may spend at most that, and
+    # the parent ends budget_exceeded at its next turn
+    tokens = client.submit(spec([tools(call("agent__x", {"prompt": "x"}), call("agent__y", {"prompt": "y"})),
+                                 {"content": "never"}], token_budget=90,
+                                agents={"x": child(model_server, busy, tools=["add"]),
+                                        "y": child(model_server, busy, tools=["add"], token_budget=500)}))
+    # the cost budget likewise: $0.06 left of $0.10 after the parent's first reply
+    priced = child(model_server, busy, tools=["add"])
+    priced["model_params"].update(PRICED)
+    cost = client.submit(spec([tools(call("agent__p", {"prompt": "p"})), {"content": "never"}],
+                              model_params=PRICED, cost_budget_usd=0.1, agents={"p": priced}))
+    # a parent whose own reply spent it all starts no child: a failed record
+    spent = client.submit(spec([tools(call("agent__x", {"prompt": "x"}), tokens=100), {"content": "never"}],
+                               token_budget=90, agents={"x": child(model_server, busy, tools=["add"])}))
+    result = tokens.wait(timeout=120)
+    assert (result.status, result.exit) == (Status.failed, "budget_exceeded")
+    assert result.error_type == "BudgetExceeded"
+    assert result.iterations == 1  # turn 2 ended at its top: the model was not asked again
+    kids = list(results(client, result.children).values())
+    assert len(kids) == 2 and all(k.exit == "budget_exceeded" for k in kids)
+    for k in kids:
+        assert client.store.spec(k.run_id).token_budget == 60  # what was left (y's own 500 is more)
+        assert k.tokens_used <= 60  # no child spent past what was left when it started
+    assert result.tokens_used == 30 + sum(k.tokens_used for k in kids)  # counted in, once
+    assert 60 <= sum(k.tokens_used for k in kids) <= 60 + 30  # the tree stops at its next turn
+    assert all(not r.success and "ended on budget_exceeded" in r.error for r in result.tool_calls)
+
+    result = cost.wait(timeout=120)
+    assert (result.exit, result.error_type) == ("budget_exceeded", "CostBudgetExceeded")
+    [p] = results(client, result.children).values()
+    assert client.store.spec(p.run_id).cost_budget_usd == pytest.approx(0.06)
+    assert p.exit == "budget_exceeded" and p.cost_usd == pytest.approx(0.08)  # its second reply crossed it
+    assert result.cost_usd == pytest.approx(0.04 + p.cost_usd)
+
+    result = spent.wait(timeout=60)
+    assert result.exit == "budget_exceeded" and result.children == []
+    [refused] = result.tool_calls
+    assert not refused.success
+    assert refused.error.startswith("BudgetExceeded: nothing is left of the token budget")
+
+
+def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, model_server, holds):
+    # pause: the child pauses with its parent, and resumes with it
+    hold = gate(holds)
+    slow = child(model_server, [tools(call("add", {"a": 1, "b": 2}), hold=hold), {"content": "three"}],
+                 tools=["add"])  # fmt: skip
+    paused = client.submit(spec([tools(call("agent__slow", {"prompt": "add"})), {"content": "ok"}],
+                                agents={"slow": slow}))  # fmt: skip
+    wait_for(lambda: model_server.calls(slow["model"]), timeout=60)
+    [kid] = paused.result().children
+    assert paused.pause() == "ok"
+    assert client.get(kid).status() == Status.paused
+    hold.set()  # its reply lands while paused: recorded, its call waits for the resume
+    wait_for(lambda: any(e.type == "iteration" for e in client.get(kid).events(timeout=0.5)), timeout=30)
+    assert client.get(kid).status() == Status.paused and paused.status() == Status.paused
+    assert paused.resume() == "ok"
+    result = paused.wait(timeout=60)
+    assert (result.status, result.tool_calls[0].output) == (Status.completed, "three")
+
+    # abort: at once, down the tree (a grandchild too), recorded on each
+    hold = gate(holds)
+    grand = child(model_server, [tools(call("add", {"a": 1, "b": 1}), hold=hold), {"content": "2"}],
+                  tools=["add"])  # fmt: skip
+    middle = child(model_server, [tools(call("agent__grand", {"prompt": "deeper"})), {"content": "done"}],
+                   agents={"grand": grand})  # fmt: skip
+    top = client.submit(spec([tools(call("agent__middle", {"prompt": "go"})), {"content": "ok"}],
+                             agents={"middle": middle}))  # fmt: skip
+    wait_for(lambda: model_server.calls(grand["model"]), timeout=60)
+    [mid] = top.result().children
+    [low] = client.get(mid).result().children
+    assert top.abort(reason="enough") == "ok"
+    for run_id in (mid, low):  # no wait: the abort's own step ended them
+        r = client.get(run_id).result()
+        assert (r.status, r.exit, r.error_type) == (Status.aborted, "aborted", "Aborted")
+        assert f"its parent run {top.run_id if run_id == mid else mid} ended" in r.error
+        control = [e for e in client.get(run_id).events(timeout=1) if e.type == "control"]
+        assert [(e.action, e.by) for e in control][-1][0] == "abort"
+    hold.set()  # the grandchild's reply in flight: discarded, and billed up the tree
+    wait_for(lambda: client.get(low).result().tokens_used == 30, timeout=30)
+    wait_for(lambda: top.result().tokens_used == 30 + 30 + 30, timeout=30)
+    assert client.get(low).result().iterations == 0 and top.status() == Status.aborted
+
+
+# -- durability -------------------------------------------------------------------------------------
+def test_a_killed_worker_and_a_redis_restart_mid_tree_lose_nothing(deployment, spec, model_server, aof_redis,
+                                                                   holds):  # fmt: skip
+    from worker.app import enqueue_call
+
+    d = deployment(TOOLOOP_REDIS_URL=aof_redis.url)
+    first = d.start_worker("-c", "2")
+    one_held, two_held = gate(holds), gate(holds)
+    one = child(model_server, [tools(call("add", {"a": 1, "b": 2}), hold=one_held), {"content": "three"}],
+                tools=["add"])  # fmt: skip
+    two = child(model_server, [{"content": "four", "hold": two_held}])
+    handle = d.client.submit(spec([tools(call("agent__one", {"prompt": "1"}, call_id="c1")),
+                                   tools(call("agent__two", {"prompt": "2"}, call_id="c2")),
+                                   {"content": "done"}], agents={"one": one, "two": two}))  # fmt: skip
+    # the child waits on the model, the parent on the child
+    wait_for(lambda: model_server.calls(one["model"]), timeout=60)
+    # the call's message delivered again (a redelivery, a re-check): the same child, parked again
+    keys = d.store.keys
+    payload = json.loads(d.store.redis.hget(keys.call_args(handle.run_id), "1.0"))
+    gen = int(d.store.redis.hget(keys.call_state(handle.run_id), "1.0").decode().split("|")[3])
+    for _ in range(2):
+        enqueue_call(payload, gen, d.client.celery)
+    d.start_worker("-c", "2")
+    first.kill()  # kill -9 mid-child: its turn is lost with the worker, the parent's wait is not
+    one_held.set()
+    wait_for(lambda: model_server.calls(two["model"]), timeout=90)
+    aof_redis.restart()  # mid-tree again, child two waiting on the model
+    two_held.set()
+    result = handle.wait(timeout=120)
+    assert (result.status, result.content) == (Status.completed, "done")
+    assert [(r.call_id, r.success, r.output) for r in result.tool_calls] == [("c1", True, "three"),
+                                                                               ("c2", True, "four")]
+    assert len(result.children) == 2 and len(d.store.list_runs(50)) == 3  # one child per call
+    started = [e for e in handle.events(timeout=1) if e.type == "child"]
+    assert [e.call_id for e in started] == ["c1", "c2"]
+    first_child = d.client.get(result.children[0])
+    assert first_child.result().tokens_used == 60  # its reply lost with the worker was never billed
+    assert [e.step for e in first_child.events(timeout=1) if e.type == "recovery"] == ["turn"]
+    assert result.tokens_used == 3 * 30 + 60 + 30
+
+
+# -- at submit ------------------------------------------------------------------------------------
+def test_a_cycle_and_a_too_deep_tree_are_refused_at_submit(tmp_path, client, store):
+    (tmp_path / "a.yaml").write_text("prompt: plan\nmodel: openai/x\nagents:\n  helper: sub/b.yaml\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("model: openai/x\nagents:\n  back: ../a.yaml\n")
+    out = _cli("submit", str(tmp_path / "a.yaml"))
+    cycle = "agents.helper.agents.back: cycle of spec files: a.yaml -> b.yaml -> a.yaml"
+    assert out.returncode == 2 and cycle in out.stderr, out.stderr
+    assert _cli("validate", str(tmp_path / "a.yaml")).returncode == 1
+
+    def nest(levels: int) -> dict:
+        spec: dict = {"model": "openai/x"}
+        for name in reversed("abcdefg"[:levels]):
+            spec = {"model": "openai/x", "agents": {name: spec}}
+        return spec
+
+    before = len(client.list(1000))
+    with pytest.raises(SpecError) as refused:
+        client.submit({"prompt": "p", **nest(4)})
+    assert refused.value.errors == [
+        "agents.a.agents.b.agents.c.agents.d: a child run here would be at depth 4; max_depth allows 3"]
+    with pytest.raises(SpecError) as refused:
+        client.submit({"prompt": "p", "max_depth": 1, **nest(2)})
+    assert refused.value.errors == [
+        "agents.a.agents.b: a child run here would be at depth 2; max_depth allows 1"]
+    assert len(client.list(1000)) == before  # nothing written
+    assert check_spec(RunSpec(prompt="p", **nest(3)), None).errors == []
+
+
+def test_each_child_spec_is_checked_as_if_submitted(tmp_path, store):
+    from orchestrator.settings import Settings
+    from orchestrator.store import RunStore
+
+    agents_dir = tmp_path / "agents"
+    (agents_dir / "team").mkdir(parents=True)
+    (agents_dir / "team" / "coder.yaml").write_text("model: openai/x\ndescription: Codes.\ntools: [add]\n")
+    (tmp_path / "elsewhere.yaml").write_text("model: openai/x\n")
+    here = RunStore(store.redis, Settings(**{**store.settings.model_dump(), "agents_dir": str(agents_dir)}))
+    ok = check_spec(RunSpec(prompt="p", model="openai/x", agents={"coder": "team/coder.yaml"}), here)
+    assert ok.errors == []
+    stored = ok.stored_spec.agents["coder"]
+    assert stored["spec"]["tools"] == ["add"] and stored["source"] == str(agents_dir / "team" / "coder.yaml")
+    assert "prompt" not in stored["spec"]
+    bad = RunSpec(prompt="p", model="openai/x", tenant="acme", agents={
+        "outside": str(tmp_path / "elsewhere.yaml"),  # not in the agents folder, nor the spec's
+        "asks": {"model": "openai/x", "prompt": "mine"},
+        "other": {"model": "openai/x", "tenant": "globex"},
+        "typo": {"model": "openai/x", "toolz": []},
+        "leaky": {"model": "openai/x", "model_params": {"api_base": "http://10.0.0.1/v1"}},
+        "missing": "team/nope.yaml",
+    })  # fmt: skip
+    errors = check_spec(bad, here).errors
+    outside = f"agents.outside: {str(tmp_path / 'elsewhere.yaml')!r} resolves to"
+    assert any(e.startswith(outside) for e in errors)
+    assert "agents.asks.prompt: a child spec has no prompt: each call of agent__asks gives it" in errors
+    assert "agents.other.tenant: a child run runs for its parent's tenant ('acme')" in errors
+    assert "agents.typo.toolz: unknown field" in errors
+    assert any(e.startswith("agents.leaky.model_params.api_base: 'http://10.0.0.1/v1'") for e in errors)
+    assert any(e.startswith("agents.missing: spec file 'team/nope.yaml' not found") for e in errors)
+    assert len(errors) == 6
+    with pytest.raises(ValueError, match="agent__x"):
+        RunSpec(prompt="p", model="m", tools=["agent__x"])
+    with pytest.raises(ValueError, match="agent names"):
+        RunSpec(prompt="p", model="m", agents={"a.b": {"model": "m"}})
+
+
+def test_a_spec_file_reads_its_children_beside_it(tmp_path):
+    (tmp_path / "plan.yaml").write_text("prompt: p\nmodel: openai/x\nagents:\n  r: researcher.yaml\n")
+    (tmp_path / "researcher.yaml").write_text("model: openai/y\nmax_depth: 5\n")
+    report = check_spec(load_spec(tmp_path / "plan.yaml"), None)
+    assert report.errors == []
+    assert report.stored_spec.agents["r"]["spec"]["model"] == "openai/y"
+    assert report.stored_spec.agents["r"]["spec"]["max_depth"] == 2  # what is left under the root's 3
+    again = check_spec(report.stored_spec, None)  # a stored spec submitted again (a fork)
+    assert again.errors == [] and again.stored_spec.agents == report.stored_spec.agents
+
+
+def test_child_ids_are_stable_readable_and_in_the_parents_shard():
+    assert child_id("run1", "2.0") == child_id("run1", "2.0") != child_id("run1", "2.1")
+    assert child_id("run1", "2.0").startswith("run1-2-0-")
+    long = "x" * 64
+    for parent in ("run1", long, child_id(long, "1.0")):
+        made = child_id(parent, "12.31")
+        assert shard_of(made) == shard_of(parent) and len(made) <= 64
+
+
+def test_start_child_writes_every_field_create_writes():
+    """A child run is written by START_CHILD, a run by CREATE: the same fields (a field
+    added to CREATE must be added there too)."""
+    import re
+
+    from orchestrator import children, scripts
+
+    def fields(script: str) -> set[str]:
+        hset = re.search(r"redis\.call\('HSET', C?RUN, (.*?)\)\n", script, re.S).group(1)
+        return set(re.findall(r"'([a-z_]+)'", hset))
+
+    assert fields(scripts.CREATE) <= fields(children.START_CHILD)
