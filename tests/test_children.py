@@ -31,6 +31,23 @@ def results(client, run_ids: list[str]) -> dict:
     return {r: client.get(r).result() for r in run_ids}
 
 
+def console_page(client, run_id: str) -> str:
+    """A run's page in the console, signed in with a token of the run's tenant."""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    from orchestrator.api import create_app
+    from orchestrator.settings import Settings
+
+    with TestClient(create_app(Settings(api_tokens="tok=default"), client)) as http:
+        nonce = re.search(r'name="nonce" value="([^"]+)"', http.get("/login").text)[1]
+        assert http.post("/login", data={"token": "tok", "nonce": nonce}).status_code in (200, 303)
+        page = http.get(f"/runs/{run_id}")
+        assert page.status_code == 200
+        return page.text
+
+
 def _cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd, env=os.environ.copy())  # fmt: skip
@@ -152,6 +169,12 @@ def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, mo
                                 agents={"slow": slow}))  # fmt: skip
     wait_for(lambda: model_server.calls(slow["model"]), timeout=60)
     [kid] = paused.result().children
+    page = console_page(client, paused.run_id)  # the console links the child, and the call to it
+    assert page.count('data-testid="child-run"') == 1 and f'href="/runs/{kid}"' in page
+    assert "waiting for its child run" in page
+    waiting = lambda: int(client.store.state(paused.run_id).get("children_waiting") or 0)  # noqa: E731
+    assert waiting() == 1  # what a scheduler reads: the run is parked on a child
+    assert f'<a href="/runs/{paused.run_id}">' in console_page(client, kid)  # and the child its parent
     assert paused.pause() == "ok"
     assert client.get(kid).status() == Status.paused
     hold.set()  # its reply lands while paused: recorded, its call waits for the resume
@@ -159,7 +182,7 @@ def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, mo
     assert client.get(kid).status() == Status.paused and paused.status() == Status.paused
     assert paused.resume() == "ok"
     result = paused.wait(timeout=60)
-    assert (result.status, result.tool_calls[0].output) == (Status.completed, "three")
+    assert (result.status, result.tool_calls[0].output) == (Status.completed, "three") and waiting() == 0
 
     # abort: at once, down the tree (a grandchild too), recorded on each
     hold = gate(holds)
