@@ -10,15 +10,15 @@ whose hash names its parent. This module holds what the control plane knows of t
   submitted itself, its own children too; a cycle of spec files, or children nested past
   ``max_depth``, is refused, naming the path (``agents.a.agents.b``). The whole tree is
   stored inline in the parent's spec (``Resolved`` entries): workers never read files.
-- **the step scripts** (Lua, on ``scripts.PRELUDE``): ``START_CHILD`` writes the child
-  run and parks the parent's call in one step, and ``HANDOFF`` sends the call again
-  once the child ended. A child's id is derived from its parent's id and the call's key
+- **the step script** (Lua, on ``scripts.PRELUDE``): ``START_CHILD`` writes the child
+  run and parks the parent's call in one step. A child's id is derived from its parent's id and the call's key
   (``child_id``), in its parent's shard, so a call starts at most one child however
   often its message comes, and one script reaches parent and child together (one slot
   of a Redis Cluster). ``scripts.PRELUDE`` does the rest where it happens: a child's
   spend counts into every ancestor's ``tokens_used`` and ``cost_usd`` (``add_usage``); a
   child whose tree's budget is spent ends at its next turn (``CLAIM_TURN``); a run that
-  ends aborts its running children and makes its parent's call due (``finish``).
+  ends aborts its running children and makes its parent's call due within a lease
+  (``finish``): whoever ended it records the call at once, else the sweeper sends it.
 - **control and reading**: pause and resume reach a run's children (``pause_children``,
   ``paused_children``); ``tree`` lists a run's descendants for ``tooloop status``.
 
@@ -356,26 +356,6 @@ next_look()
 return {verdict}
 """
 
-# On the child's keys, once it ended: its parent's call is sent again now, to be recorded.
-# -> {'send', parent id, the call's payload, generation} | {'none'} (not a child, not ended,
-#    the call recorded or not parked, the parent ended or paused: RESUME sends it)
-HANDOFF = """
-local f = redis.call('HMGET', RUN, 'status', 'ancestors', 'parent_key')
-if not f[1] or not ended(f[1]) or not f[2] then return {'none'} end
-local parent = string.match(f[2], '^(%S+)')
-local ps = redis.call('HGET', key_of(parent, 1), 'status')
-if not ps or ended(ps) or ps == 'paused' then return {'none'} end
-local ck = key_of(parent, 4)
-local c = parse(redis.call('HGET', ck, f[3]))
-if not c or c.kind ~= 'q' then return {'none'} end
-c.gen, c.deadline = c.gen + 1, NOW + LEASE
-redis.call('HSET', ck, f[3], table.concat({c.kind, int(c.deadline), int(c.attempts), int(c.gen),
-  int(c.taken), c.owner, c.err}, '|'))
-redis.call('ZADD', LEASES, 'LT', c.deadline, parent)
-return {'send', parent, redis.call('HGET', key_of(parent, 5), f[3]) or '', c.gen}
-"""
-
-
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else "" if value is None else str(value)
 
@@ -456,13 +436,13 @@ def park(store: RunStore, parent: str, payload: dict[str, Any], gen: int, child:
     return _s(out[0])
 
 
-def handoff(store: RunStore, run_id: str) -> tuple[dict[str, Any], int] | None:
-    """A run that ended: if it is a child whose parent's call still waits, that call (its
-    stored payload) and the generation to send it at; else None."""
-    out = store.run_script("HANDOFF", HANDOFF, run_id)
-    if _s(out[0]) != "send" or not out[2]:
+def parent_call(store: RunStore, run_id: str) -> dict[str, str] | None:
+    """The parent's call a run answers, if it is a child: {run_id, key, tool}; else None."""
+    fields = store.redis.hmget(store.keys.run(run_id), "ancestors", "parent_key", "agent")
+    ancestors, key, agent = map(_s, fields)
+    if not ancestors:
         return None
-    return json.loads(out[2]), int(out[3])
+    return {"run_id": ancestors.split(" ")[0], "key": key, "tool": tool_name(agent)}
 
 
 # -- control and reading -------------------------------------------------------------------------

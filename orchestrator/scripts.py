@@ -109,9 +109,9 @@ local function key_of(id, i)  -- KEYS[i] of the run ``id``
   return RUN_BASE .. id .. string.sub(KEYS[i], #RUN_BASE + #RUN_ID + 1)
 end
 
--- The run ``id`` ended: its parent's call waiting for it is due at once (its next look,
--- the ender's hand-off or the sweeper's, records it), and its children still running are
--- aborted with it, in this same step (theirs too).
+-- The run ``id`` ended: its parent's call waiting for it is due within a lease (whoever
+-- ended it records the call now: worker/children.py; if that is lost, the sweeper sends
+-- the call again), and its children still running are aborted with it, in this same step.
 local function tree_end(id)
   local f = redis.call('HMGET', key_of(id, 1), 'children', 'ancestors', 'parent_key')
   local parent = f[2] and string.match(f[2], '^(%S+)')
@@ -121,9 +121,9 @@ local function tree_end(id)
     if ps then redis.call('HINCRBY', pk, 'children_waiting', -1) end
     local c = ps and not ended(ps) and parse(redis.call('HGET', ck, f[3]))
     if c and c.kind == 'q' then
-      redis.call('HSET', ck, f[3], table.concat({c.kind, int(NOW), int(c.attempts), int(c.gen),
-        int(c.taken), c.owner, c.err}, '|'))
-      redis.call('ZADD', LEASES, 'LT', NOW, parent)
+      redis.call('HSET', ck, f[3], table.concat({c.kind, int(NOW + LEASE), int(c.attempts),
+        int(c.gen), int(c.taken), c.owner, c.err}, '|'))
+      redis.call('ZADD', LEASES, 'LT', NOW + LEASE, parent)
     end
   end
   if not f[1] then return end

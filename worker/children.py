@@ -13,9 +13,11 @@ takes it instead of the sandbox:
   it ended on an outcome, else its ``content``; a reserved exit is a failed record whose
   ``error`` names it), and the parent's next turn is sent once its turn's calls are all in.
 
-Whoever ends a child calls ``hand_off``, which sends the parent's call again at once;
-if that is lost (a worker killed right then), the call is due anyway (the child's end
-made it so, in the same step) and the sweeper sends it.
+Two hops are spared on the way: the parent's turn starts its children itself
+(``start_now``), and whoever ends a child records the parent's call (``hand_off``). Either
+may be lost with its process: the call's message is then missing from its queue (never
+sent), or the call is due within a lease (the child's end made it so, in the same
+step), and the sweeper sends it to a tool worker, where ``ChildCall`` does the same.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from orchestrator.models import AGENT_TOOL_PREFIX, RESERVED_EXITS, Exit, RunSpec
 from orchestrator.secrets import SecretError
 from orchestrator.store import RunStore, parse_spec
 from worker import calls, protect
-from worker.app import enqueue_call, enqueue_turn
+from worker.app import enqueue_turn
 
 log = get_task_logger(__name__)
 
@@ -40,29 +42,44 @@ def is_child_call(message: dict[str, Any]) -> bool:
     return str(message.get("tool") or "").startswith(AGENT_TOOL_PREFIX)
 
 
-def hand_off(store: RunStore, run_id: str, celery_app: Any = None) -> None:
-    """``run_id`` ended: if it is a child whose parent's call waits, send that call now."""
+def start_now(store: RunStore, payload: dict[str, Any], celery_app: Any = None) -> None:
+    """The turn that asked for a call of a child agent starts the child itself, sparing a
+    hop; if that fails (or the process dies first), the call's message was never sent, so
+    the sweeper finds it missing and sends it to a tool worker (``ChildCall``)."""
     try:
-        found = children.handoff(store, run_id)
-    except Exception:  # the sweeper sends the call anyway (it is due): never fail the ender
-        log.warning("run %s: hand-off to its parent failed; the sweeper will do it", run_id, exc_info=True)
-        return
-    if found is not None:
-        payload, gen = found
-        enqueue_call(payload, gen, celery_app)
+        ChildCall(store, {**calls.message(payload)}, 1, celery_app).run()
+    except Exception:
+        log.warning("child call %s/%s: not started here; the sweeper will send it", payload["run_id"],
+                    payload["key"], exc_info=True)  # fmt: skip
+
+
+def hand_off(store: RunStore, run_id: str, celery_app: Any = None) -> None:
+    """``run_id`` ended: if it is a child whose parent's call waits, record that call now,
+    here (the call is due within a lease otherwise, and the sweeper sends it)."""
+    try:
+        message = children.parent_call(store, run_id)
+        if message is not None:
+            ChildCall(store, message, None, celery_app).run()
+    except Exception:  # never fail the ender: the sweeper covers it
+        log.warning("run %s: its parent's call not recorded here; the sweeper will", run_id, exc_info=True)
 
 
 class ChildCall:
     """One delivery of a call of a child agent (see the module docstring)."""
 
-    def __init__(self, store: RunStore, message: dict[str, Any], gen: int, celery_app: Any = None) -> None:
-        self.store, self.gen, self.celery = store, gen, celery_app
+    def __init__(self, store: RunStore, message: dict[str, Any], gen: int | None,
+                 celery_app: Any = None) -> None:  # fmt: skip
+        """``gen`` None: act at the call's current generation (the child's ender, recording)."""
+        self.store, self.celery = store, celery_app
+        self.gen = -1 if gen is None else gen
         self.parent, self.key = str(message["run_id"]), str(message["key"])
         self.tool = str(message.get("tool") or "")
         self.child = children.child_id(self.parent, self.key)
 
     def run(self) -> None:
         look = children.look(self.store, self.parent, self.key, self.child)
+        if self.gen < 0:
+            self.gen = look.call_gen
         why = self._stale(look)
         if why:
             log.debug("child call %s/%s skipped: %s", self.parent, self.key, why)

@@ -313,7 +313,10 @@ class Turn:
             return
         self.chain.after_turn(self.ctx, decision, reply.tokens)
         for payload in payloads:
-            enqueue_call(payload, 1)
+            if payload.get("agent"):  # a child agent: its run starts here (worker/children.py)
+                children.start_now(self.store, payload)
+            else:
+                enqueue_call(payload, 1)
 
     def defer(self, wait_s: float) -> None:
         """Wait for rate-limit capacity in the queue (a countdown), not in a worker slot."""
