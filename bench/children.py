@@ -9,10 +9,12 @@ private redis-server (``bench/common.py``). Three phases, each all submitted at 
   tree-1  the same P parents calling one child: the parent's own work is the same.
 
 CPU per child run = (CPU(tree-3) - CPU(tree-1)) / 2P: everything one more child costs
-the fleet (the call's hop that starts it, its turn, the hand-off, the hop that records
-it in the parent, the parent's bigger barrier). Its excess over a plain run is the
-overhead of being a child. CPU is user + sys from /proc: the ``tooloop worker`` tree
-and Redis; the producer (this script) is not counted, as in bench/cpu_per_turn.py.
+the fleet (its start, in the parent's turn; its turn; the record of the parent's call,
+by the child's ender; the parent's bigger barrier and history). Its excess over a plain
+run is the overhead of being a child. CPU is user + sys from /proc: the ``tooloop
+worker`` tree and Redis; the producer (this script) is not counted, as in
+bench/cpu_per_turn.py: a plain run's submit is not in its figure, while a child's
+start is in the child's.
 
     python bench/children.py [--parents 100] [--plain 100]
 """
@@ -116,7 +118,7 @@ def report(args, head: list[str], plain: Phase, three: Phase, one: Phase) -> Non
         f"  CPU per child run (one turn), marginal  {per_child * ms:7.2f} ms   "
         f"(x{per_child / per_plain:.2f} of a plain run; (tree-3 - tree-1) / 2 x {p})",
         f"  overhead of being a child               {(per_child - per_plain) * ms:7.2f} ms   "
-        "(the hop that starts it, the hand-off, the hop that records it)",
+        "(its start in the parent's turn, the record of the parent's call)",
         f"  Redis per plain run / per child run     {redis_plain * ms:7.3f} ms / {redis_child * ms:.3f} ms",
     ]
     publish("children", lines)

@@ -111,9 +111,10 @@ end
 
 -- The run ``id`` ended: its parent's call waiting for it is due within a lease (whoever
 -- ended it records the call now: worker/children.py; if that is lost, the sweeper sends
--- the call again), and its children still running are aborted with it, in this same step.
+-- the call again; an abort has no such ender: due now), and its children still running
+-- are aborted with it, in this same step.
 local function tree_end(id)
-  local f = redis.call('HMGET', key_of(id, 1), 'children', 'ancestors', 'parent_key')
+  local f = redis.call('HMGET', key_of(id, 1), 'children', 'ancestors', 'parent_key', 'status')
   local parent = f[2] and string.match(f[2], '^(%S+)')
   if parent then
     local pk, ck = key_of(parent, 1), key_of(parent, 4)
@@ -121,9 +122,10 @@ local function tree_end(id)
     if ps then redis.call('HINCRBY', pk, 'children_waiting', -1) end
     local c = ps and not ended(ps) and parse(redis.call('HGET', ck, f[3]))
     if c and c.kind == 'q' then
-      redis.call('HSET', ck, f[3], table.concat({c.kind, int(NOW + LEASE), int(c.attempts),
+      local due = f[4] == 'aborted' and NOW or NOW + LEASE
+      redis.call('HSET', ck, f[3], table.concat({c.kind, int(due), int(c.attempts),
         int(c.gen), int(c.taken), c.owner, c.err}, '|'))
-      redis.call('ZADD', LEASES, 'LT', NOW + LEASE, parent)
+      redis.call('ZADD', LEASES, 'LT', due, parent)
     end
   end
   if not f[1] then return end

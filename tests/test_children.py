@@ -207,6 +207,21 @@ def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, mo
     wait_for(lambda: top.result().tokens_used == 30 + 30 + 30, timeout=30)
     assert client.get(low).result().iterations == 0 and top.status() == Status.aborted
 
+    # a child aborted on its own: its parent's call is a failed record, and the parent goes on
+    hold = gate(holds)
+    stuck = child(model_server, [{"content": "late", "hold": hold}])
+    parent = client.submit(spec([tools(call("agent__stuck", {"prompt": "wait"})), {"content": "went on"}],
+                                agents={"stuck": stuck}))  # fmt: skip
+    wait_for(lambda: model_server.calls(stuck["model"]), timeout=60)
+    [kid] = parent.result().children
+    assert client.get(kid).abort(reason="not needed") == "ok"
+    result = parent.wait(timeout=60)
+    assert (result.status, result.content) == (Status.completed, "went on")
+    [record] = result.tool_calls
+    assert not record.success and record.error.startswith(f"ChildRun: child run {kid} ended on aborted: ")
+    assert "not needed" in record.error
+    hold.set()
+
 
 # -- durability -------------------------------------------------------------------------------------
 def test_a_killed_worker_and_a_redis_restart_mid_tree_lose_nothing(deployment, spec, model_server, aof_redis,
@@ -318,6 +333,9 @@ def test_each_child_spec_is_checked_as_if_submitted(tmp_path, store):
 def test_a_spec_file_reads_its_children_beside_it(tmp_path):
     (tmp_path / "plan.yaml").write_text("prompt: p\nmodel: openai/x\nagents:\n  r: researcher.yaml\n")
     (tmp_path / "researcher.yaml").write_text("model: openai/y\nmax_depth: 5\n")
+    from tests.conftest import ROOT
+
+    assert check_spec(load_spec(ROOT / "examples" / "planner.yaml"), None).errors == []
     report = check_spec(load_spec(tmp_path / "plan.yaml"), None)
     assert report.errors == []
     assert report.stored_spec.agents["r"]["spec"]["model"] == "openai/y"
