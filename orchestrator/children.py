@@ -377,6 +377,7 @@ class Look:
     payload: dict[str, Any] | None  # the call as the turn stored it
     call_state: str  # the call's raw state ('' none)
     child: dict[str, str]  # the child's fields ({} : no such run)
+    ancestors: list[str] = field(default_factory=list)  # the run's own (it may be a child)
 
     @property
     def call_gen(self) -> int:
@@ -393,19 +394,20 @@ class Look:
 def look(store: RunStore, parent: str, key: str, child: str) -> Look:
     k = store.keys
     pipe = store.redis.pipeline(transaction=False)
-    pipe.hmget(k.run(parent), "status", "iteration", "phase", "spec", "tokens_used", "cost_usd")
+    pipe.hmget(k.run(parent), "status", "iteration", "phase", "spec", "tokens_used", "cost_usd", "ancestors")
     pipe.hget(k.call_args(parent), key)
     pipe.hget(k.call_state(parent), key)
     pipe.hmget(k.run(child), CHILD_FIELDS)
     state, payload, call_state, child_state = pipe.execute()
-    status, iteration, phase, spec_json, tokens, cost = map(_s, state)
+    status, iteration, phase, spec_json, tokens, cost, ancestors = map(_s, state)
     try:
         stored = json.loads(payload) if payload else None
     except ValueError:
         stored = None
     fields = dict(zip(CHILD_FIELDS, map(_s, child_state), strict=True)) if child_state[0] else {}
     return Look(status, int(iteration or 0), phase, spec_json, int(tokens or 0), float(cost or 0),
-                stored if isinstance(stored, dict) else None, _s(call_state), fields)  # fmt: skip
+                stored if isinstance(stored, dict) else None, _s(call_state), fields,
+                ancestors.split())  # fmt: skip
 
 
 def start(store: RunStore, parent: str, payload: dict[str, Any], gen: int, child: str, spec: RunSpec,

@@ -136,9 +136,8 @@ class ChildCall:
         from worker.steps import initial_messages
 
         messages = initial_messages(child_spec, entry.steering_docs, entry.skill_docs)
-        ancestors = self.store.redis.hget(self.store.keys.run(self.parent), "ancestors")
         verdict = children.start(self.store, self.parent, payload, self.gen, self.child, child_spec, messages,
-                                 (ancestors or b"").decode().split(), spec)  # fmt: skip
+                                 look.ancestors, spec)  # fmt: skip
         log.info("child call %s/%s: %s (child run %s)", self.parent, self.key, verdict, self.child)
         if verdict == "created":
             enqueue_turn(self.child, 1, 1, self.celery)
