@@ -160,7 +160,7 @@ def report(args, head: list[str], rounds: list[Round]) -> None:
         f"({4 * p / median(walls):.1f} runs/s; rounds {', '.join(f'{w:.2f}' for w in walls)} s)",
         f"  CPU per tree (parent + 3 children)   {med([r.three.cpu_s / p for r in rounds])}",
         f"  CPU per plain run (one turn)         {med(plain)}",
-        f"    + its submit, in the producer      {med([r.plain.submit_s for r in rounds])}",
+        f"    + its submit, in the producer      {med([r.submit_s for r in rounds])}",
         f"  CPU per child run (one turn)         {med(child)}   marginal: (tree-3 - tree-1) / 2 x {p}",
         f"  overhead of being a child            {med([c - q for c, q in zip(child, plain, strict=True)])}",
         f"    = x{median(child) / median(plain):.2f} of a plain run (its start in the parent's turn, the "
