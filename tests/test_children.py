@@ -72,14 +72,17 @@ def test_one_child_then_two_in_parallel_then_a_failing_one(client, worker, spec,
         tools(call("agent__researcher", {"prompt": "add 2 and 3"}, call_id="c_r")),
         tools(call("agent__a", {"prompt": "go a"}, call_id="c_a"),
               call("agent__b", {"prompt": "go b"}, call_id="c_b")),
-        tools(call("agent__looper", {"prompt": "loop"}, call_id="c_l")),
+        tools(call("agent__looper", {"prompt": "loop"}, call_id="c_l"),
+              call("agent__ghost", {"prompt": "boo"}, call_id="c_g")),  # not declared
         {"content": "all done"},
     ], agents={"researcher": researcher, "a": child(model_server, [meet("a", "b")]),
                "b": child(model_server, [meet("b", "a")]), "looper": looper})  # fmt: skip
     handle = client.submit(s)
     result = handle.wait(timeout=120)
     assert (result.status, result.content) == (Status.completed, "all done")
-    r, a, b, loop = result.tool_calls
+    r, a, b, loop, ghost = result.tool_calls
+    assert (ghost.success, ghost.tool_name) == (False, "agent__ghost")
+    assert ghost.error.startswith("UnknownTool")
     assert (r.call_id, r.tool_name, r.success, r.output) == ("c_r", "agent__researcher", True, {"sum": 5})
     assert r.inputs == {"prompt": "add 2 and 3"}
     assert (a.output, b.output) == ("a met b", "b met a")  # both ran at once

@@ -76,14 +76,19 @@ class ChildCall:
         self.tool = str(message.get("tool") or "")
         self.child = children.child_id(self.parent, self.key)
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """False when the call is not one of a child agent (a tool named ``agent__...`` the
+        spec does not declare): the tool task records it as any unknown tool."""
         look = children.look(self.store, self.parent, self.key, self.child)
+        payload = look.payload or {}
+        if payload.get("tool") == self.tool and not payload.get("agent"):
+            return False
         if self.gen < 0:
             self.gen = look.call_gen
         why = self._stale(look)
         if why:
             log.debug("child call %s/%s skipped: %s", self.parent, self.key, why)
-            return
+            return True
         assert look.payload is not None
         spec = parse_spec(look.spec_json)
         if look.child:
@@ -92,6 +97,7 @@ class ChildCall:
             self._fail(spec, look.payload, f"ChildRunGone: child run {self.child} no longer exists")
         else:
             self._start(look, spec)
+        return True
 
     def _stale(self, look: children.Look) -> str:
         """Why this delivery does nothing ('' : it acts). START_CHILD checks again, atomically."""

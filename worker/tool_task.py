@@ -30,9 +30,8 @@ LOST = "WorkerLost: the worker running this call was lost; its outcome is unknow
 @app.task(name=TOOL_TASK)
 def run_tool(message: dict[str, Any], gen: int = 0) -> None:
     """``message`` only names the call (worker/calls.py): what it may do is read from Redis."""
-    if children.is_child_call(message):  # a call of a child agent starts a run, not a process
-        children.ChildCall(get_store(), message, gen).run()
-        return
+    if children.is_child_call(message) and children.ChildCall(get_store(), message, gen).run():
+        return  # a call of a child agent starts a run, not a process (worker/children.py)
     ToolCall(get_store(), message, gen).run()
 
 
