@@ -198,19 +198,21 @@ def _load(where: str, entry: Any, lineage: Lineage,
 
 def _locate(where: str, raw: str, lineage: Lineage, errors: list[str]) -> Path | None:
     """A child spec's file: relative to the folder of the spec naming it, else to the agents
-    folder; it must lie in the agents folder or in the root spec's folder, and must not be
-    one of the files above it (a cycle)."""
+    folder; it must lie in the agents folder or in the root spec's folder (checked before
+    whether it exists: a spec sent to the API learns nothing of other files), and must not
+    be one of the files above it (a cycle)."""
     typed = Path(raw).expanduser()
     bases = [] if typed.is_absolute() else [b for b in (lineage.base, *lineage.roots) if b is not None]
     candidates = [typed.resolve()] if typed.is_absolute() else [(b / typed).resolve() for b in bases]
-    path = next((c for c in candidates if c.is_file()), None)
+    inside = [c for c in candidates if any(c.is_relative_to(root) for root in lineage.roots)]
+    if not inside:
+        roots = " or ".join(str(r) for r in lineage.roots)
+        errors.append(f"{where}: {raw!r} resolves outside {roots}")
+        return None
+    path = next((c for c in inside if c.is_file()), None)
     if path is None:
         looked = ", ".join(str(b) for b in dict.fromkeys(bases)) or "/"
         errors.append(f"{where}: spec file {raw!r} not found (looked in {looked})")
-        return None
-    if not any(path.is_relative_to(root) for root in lineage.roots):
-        inside = " or ".join(str(r) for r in lineage.roots)
-        errors.append(f"{where}: {raw!r} resolves to {path}, outside {inside}")
         return None
     if path.suffix not in SPEC_SUFFIXES:
         errors.append(f"{where}: {raw!r} is not a spec file ({', '.join(SPEC_SUFFIXES)})")

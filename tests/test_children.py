@@ -317,16 +317,18 @@ def test_each_child_spec_is_checked_as_if_submitted(tmp_path, store):
         "typo": {"model": "openai/x", "toolz": []},
         "leaky": {"model": "openai/x", "model_params": {"api_base": "http://10.0.0.1/v1"}},
         "missing": "team/nope.yaml",
+        "probe": "/etc/passwd",  # outside: said before looking whether it exists
     })  # fmt: skip
     errors = check_spec(bad, here).errors
-    outside = f"agents.outside: {str(tmp_path / 'elsewhere.yaml')!r} resolves to"
+    outside = f"agents.outside: {str(tmp_path / 'elsewhere.yaml')!r} resolves outside {agents_dir}"
     assert any(e.startswith(outside) for e in errors)
     assert "agents.asks.prompt: a child spec has no prompt: each call of agent__asks gives it" in errors
     assert "agents.other.tenant: a child run runs for its parent's tenant ('acme')" in errors
     assert "agents.typo.toolz: unknown field" in errors
     assert any(e.startswith("agents.leaky.model_params.api_base: 'http://10.0.0.1/v1'") for e in errors)
     assert any(e.startswith("agents.missing: spec file 'team/nope.yaml' not found") for e in errors)
-    assert len(errors) == 6
+    assert "agents.probe: '/etc/passwd' resolves outside " + str(agents_dir) in errors
+    assert len(errors) == 7
     with pytest.raises(ValueError, match="agent__x"):
         RunSpec(prompt="p", model="m", tools=["agent__x"])
     with pytest.raises(ValueError, match="agent names"):
