@@ -18,7 +18,7 @@ from orchestrator.client import load_spec
 from orchestrator.keys import shard_of
 from orchestrator.models import RunSpec
 from orchestrator.validation import SpecError, check_spec
-from tests.helpers import call, gate, tools, wait_for
+from tests.helpers import call, gate, redis_values, tools, wait_for
 
 
 def child(model_server, steps, **fields) -> dict:
@@ -213,10 +213,15 @@ def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, mo
     # a child aborted on its own: its parent's call is a failed record, and the parent goes on
     hold = gate(holds)
     stuck = child(model_server, [{"content": "late", "hold": hold}])
-    parent = client.submit(spec([tools(call("agent__stuck", {"prompt": "wait"})), {"content": "went on"}],
-                                agents={"stuck": stuck}))  # fmt: skip
+    secret = "password=hunter2hunter2hunter2"  # a prompt the model wrote with a secret in it
+    parent = client.submit(spec([tools(call("agent__stuck", {"prompt": f"wait; {secret}"})),
+                                 {"content": "went on"}], agents={"stuck": stuck}))  # fmt: skip
     wait_for(lambda: model_server.calls(stuck["model"]), timeout=60)
     [kid] = parent.result().children
+    seen = model_server.calls(stuck["model"])[0]["messages"][-1]["content"]
+    assert seen.startswith("wait; password=") and "hunter2hunter2" not in seen  # masked, as a tool output
+    stored = redis_values(client.store.redis, f"{client.store.keys.run(kid).rsplit(':', 1)[0]}:*")
+    assert stored and not any(b"hunter2hunter2" in v for values in stored.values() for v in values)
     assert client.get(kid).abort(reason="not needed") == "ok"
     result = parent.wait(timeout=60)
     assert (result.status, result.content) == (Status.completed, "went on")

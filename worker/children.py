@@ -141,7 +141,9 @@ class ChildCall:
             return
         from worker.steps import initial_messages
 
-        messages = initial_messages(child_spec, entry.steering_docs, entry.skill_docs)
+        given = protect.given_prompt(child_spec.prompt, spec.tenant)  # a secret in it: masked, kept sealed
+        child_spec = child_spec.model_copy(update={"prompt": given["content"]})
+        messages = [*initial_messages(child_spec, entry.steering_docs, entry.skill_docs)[:-1], given]
         verdict = children.start(self.store, self.parent, payload, self.gen, self.child, child_spec, messages,
                                  look.ancestors, spec)  # fmt: skip
         log.info("child call %s/%s: %s (child run %s)", self.parent, self.key, verdict, self.child)
