@@ -201,8 +201,11 @@ def status(run_id: RunArg, as_json: JsonOpt = False) -> None:
     result = handle.result()
     if as_json:
         _print_json(result.model_dump(mode="json"))
-    else:
-        print(_summary(result, tree(handle.client.store, run_id) if result.children else None))
+        return
+    print(_summary(result, tree(handle.client.store, run_id) if result.children else None))
+    waiting = int(handle.client.store.state(run_id).get("children_waiting") or 0)
+    if waiting > 0 and not result.status.ended:
+        print(f"waiting    for {waiting} child run(s)")
 
 
 @app.command("list")

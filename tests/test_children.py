@@ -177,6 +177,7 @@ def test_pause_and_abort_of_a_parent_reach_its_children(client, worker, spec, mo
     assert "waiting for its child run" in page
     waiting = lambda: int(client.store.state(paused.run_id).get("children_waiting") or 0)  # noqa: E731
     assert waiting() == 1  # what a scheduler reads: the run is parked on a child
+    assert "waiting    for 1 child run(s)" in _cli("status", paused.run_id).stdout
     assert f'<a href="/runs/{paused.run_id}">' in console_page(client, kid)  # and the child its parent
     assert paused.pause() == "ok"
     assert client.get(kid).status() == Status.paused
