@@ -11,10 +11,10 @@ whose hash names its parent. This module holds what the control plane knows of t
   ``max_depth``, is refused, naming the path (``agents.a.agents.b``). The whole tree is
   stored inline in the parent's spec (``Resolved`` entries): workers never read files.
 - **the step script** (Lua, on ``scripts.PRELUDE``): ``START_CHILD`` writes the child
-  run and parks the parent's call in one step. A child's id is derived from its parent's id and the call's key
-  (``child_id``), in its parent's shard, so a call starts at most one child however
-  often its message comes, and one script reaches parent and child together (one slot
-  of a Redis Cluster). ``scripts.PRELUDE`` does the rest where it happens: a child's
+  run and parks the parent's call in one step. A child's id is derived from its
+  parent's id and the call's key (``child_id``), in its parent's shard, so a call starts
+  at most one child however often its message comes, and one script reaches parent and
+  child together (one slot of a Redis Cluster). ``scripts.PRELUDE`` does the rest where it happens: a child's
   spend counts into every ancestor's ``tokens_used`` and ``cost_usd`` (``add_usage``); a
   child whose tree's budget is spent ends at its next turn (``CLAIM_TURN``); a run that
   ends aborts its running children and makes its parent's call due within a lease
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from orchestrator.store import RunStore
     from orchestrator.validation import SpecReport
 
-RECHECK_S = 600  # a parked call is looked at again this often (its child's end makes it due at once)
+RECHECK_S = 600  # a parked call is looked at again this often (its child's end makes it due sooner)
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 PROMPT_GIVEN = "(given by each call)"  # a child spec's prompt while it is checked at submit
 
@@ -302,7 +302,7 @@ def build_child(parent: RunSpec, agent: str, arguments: str, tokens_used: int,
     return RunSpec.model_validate({**entry.spec, **caps}), entry
 
 
-# -- the step scripts (KEYS: the parent's, as every step script; ARGV after PRELUDE's) ---------
+# -- the step script (KEYS: the parent's, as every step script; ARGV after PRELUDE's) ----------
 # Starts the child of one call and parks the call, or parks it again. KEYS: + the child's
 # own keys (Keys.all_for_run), + its tenant index. ARGV: key, iteration, generation, child
 # id, child spec, tenant, ancestors, parent JSON, agent, recheck ms, tree token budget,
@@ -357,6 +357,7 @@ put(key, c)
 next_look()
 return {verdict}
 """
+
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else "" if value is None else str(value)

@@ -1,23 +1,23 @@
-"""Child runs, the worker's side (the state and the scripts: orchestrator/children.py).
+"""Child runs, the worker's side (the state and the script: orchestrator/children.py).
 
-A call of ``agent__<name>`` reaches the tool task like any call (the turn stores it
-marked with its agent, ``worker/calls.py``), on the shared tools queue; ``ChildCall``
-takes it instead of the sandbox:
+The turn stores a call of ``agent__<name>`` marked with its agent (``worker/calls.py``).
+``ChildCall`` handles one delivery of such a call, wherever it comes from:
 
 - no child yet: the child's spec is built from the parent's stored spec (the call's
-  prompt; budgets no larger than what is left of the parent's), ``START_CHILD`` writes
-  the child and parks the call in one step, and the child's first turn is sent. The
-  task returns: the parent waits holding no worker slot and no lease.
+  prompt, masked where it holds a secret; budgets no larger than what is left of the
+  parent's), ``START_CHILD`` writes the child and parks the call in one step, and the
+  child's first turn is sent. The parent then waits holding no worker slot and no lease.
 - the child still runs (a message sent again: a duplicate, a re-check): parked again.
 - the child ended: the call is recorded from its result (``output``: its ``result`` if
   it ended on an outcome, else its ``content``; a reserved exit is a failed record whose
   ``error`` names it), and the parent's next turn is sent once its turn's calls are all in.
 
-Two hops are spared on the way: the parent's turn starts its children itself
-(``start_now``), and whoever ends a child records the parent's call (``hand_off``). Either
-may be lost with its process: the call's message is then missing from its queue (never
-sent), or the call is due within a lease (the child's end made it so, in the same
-step), and the sweeper sends it to a tool worker, where ``ChildCall`` does the same.
+No tool worker is needed on the way: the parent's turn starts its children itself
+(``start_now``), and whoever ends a child records the parent's call (``hand_off``).
+Either may be lost with its process: the call's message is then missing from its
+queue (it was never sent), or the call is due within a lease (the child's end made it
+so, in the same step); the sweeper sends it to the tools queue, and the tool task
+hands it to ``ChildCall``, which does the same.
 """
 
 from __future__ import annotations
