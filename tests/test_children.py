@@ -273,6 +273,35 @@ def test_a_killed_worker_and_a_redis_restart_mid_tree_lose_nothing(deployment, s
     assert result.tokens_used == 3 * 30 + 60 + 30
 
 
+def test_a_turn_lost_before_it_started_its_child_is_made_good(client, worker, spec, model_server, store):
+    """The parent's turn records its reply, then dies before starting the child (here: the
+    test plays that turn, and stops there): the call's message was never sent, the sweeper
+    finds it missing and sends it, and a tool worker starts the child."""
+    import uuid
+
+    from orchestrator.store import new_owner
+    from worker.calls import stored_call
+    from worker.steps import initial_messages
+
+    kid = child(model_server, [{"content": "hello"}])
+    s = RunSpec.model_validate(spec([tools(call("agent__kid", {"prompt": "hi"}, call_id="c1")),
+                                     {"content": "done"}], agents={"kid": kid}))  # fmt: skip
+    stored = check_spec(s, store).stored_spec
+    run_id, owner = f"lost-{uuid.uuid4().hex[:8]}", new_owner()
+    gen = store.create(run_id, stored, initial_messages(stored))  # no turn message: this test is the turn
+    claim = store.claim_turn(run_id, 1, gen, owner)
+    payload = stored_call(claim.spec, run_id, 1, 0, "c1", "agent__kid", '{"prompt": "hi"}', {})
+    function = {"name": "agent__kid", "arguments": payload["arguments"]}
+    asked = {"id": "c1", "type": "function", "function": function}
+    reply = {"role": "assistant", "content": None, "tool_calls": [asked]}
+    assert payload["agent"] == "kid"
+    assert store.record_tool_calls(run_id, 1, owner, reply, 30, [payload]) == "dispatch"
+    result = client.get(run_id).wait(timeout=90)  # the turn "died" here
+    assert (result.status, result.content, result.tool_calls[0].output) == (Status.completed, "done", "hello")
+    assert len(result.children) == 1 and [e.step for e in client.get(run_id).events(timeout=1)
+                                          if e.type == "recovery"] == ["tool_calls"]  # fmt: skip
+
+
 # -- at submit ------------------------------------------------------------------------------------
 def test_a_cycle_and_a_too_deep_tree_are_refused_at_submit(tmp_path, client, store):
     (tmp_path / "a.yaml").write_text("prompt: plan\nmodel: openai/x\nagents:\n  helper: sub/b.yaml\n")
