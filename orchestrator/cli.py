@@ -128,7 +128,8 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data) + "\n")
 
 
-def _summary(result: RunResult) -> str:
+def _summary(result: RunResult, tree: list[Any] | None = None) -> str:
+    """``tree``: the run's child runs, depth first (orchestrator.children.tree)."""
     lines = [
         f"run        {result.run_id}",
         f"status     {result.status.value}" + (f" ({result.exit})" if result.exit else ""),
@@ -139,6 +140,12 @@ def _summary(result: RunResult) -> str:
         lines.append(f"error      {result.error_type}: {result.error}")
     if result.content:
         lines.append(f"content    {result.content}")
+    if result.parent:
+        lines.append(f"parent     {result.parent.run_id} (call {result.parent.call_id})")
+    for node in tree or []:
+        ended = f" ({node.exit})" if node.exit else ""
+        lines.append(f"{'child' if node.depth == 1 else '':<10} {'  ' * (node.depth - 1)}{node.run_id}  "
+                     f"{node.agent}  {node.status}{ended}  tokens {node.tokens_used}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -188,11 +195,17 @@ def submit(
 @app.command()
 def status(run_id: RunArg, as_json: JsonOpt = False) -> None:
     """State of one run."""
-    result = _handle(run_id).result()
+    from orchestrator.children import tree
+
+    handle = _handle(run_id)
+    result = handle.result()
     if as_json:
         _print_json(result.model_dump(mode="json"))
-    else:
-        print(_summary(result))
+        return
+    print(_summary(result, tree(handle.client.store, run_id) if result.children else None))
+    waiting = int(handle.client.store.state(run_id).get("children_waiting") or 0)
+    if waiting > 0 and not result.status.ended:
+        print(f"waiting    for {waiting} child run(s)")
 
 
 @app.command("list")

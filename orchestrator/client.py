@@ -66,6 +66,7 @@ class Client:
     def resume(self, run_id: str, by: str = "operator") -> str:
         """Resume a paused run: enqueue the step it was parked on, unless its message
         still waits in the queue (at most one message per waiting step)."""
+        from orchestrator.children import paused_children
         from worker.app import send
         from worker.maintenance import reenqueue
 
@@ -74,6 +75,9 @@ class Client:
             send(dispatch, self.celery)
         if found.checks:  # the sweeper's check: RESEND only what is gone from its queue
             reenqueue(self.store, Recovery(run_id, checks=found.checks), self.celery)
+        if kind in ("turn", "calls", "none", "not_paused"):  # its paused child runs resume with it
+            for child in paused_children(self.store, run_id):
+                self.resume(child, f"{by} (parent {run_id})")
         return "ok" if kind in ("turn", "calls", "none") else kind
 
     def decide(self, run_id: str, call_id: str, approved: bool, reason: str = "",
@@ -174,4 +178,6 @@ def load_spec(path: str | Path, prompt: str | None = None) -> RunSpec:
         raise SpecError([f"{path}: a spec is a mapping of fields"])
     if prompt is not None:
         data["prompt"] = prompt
-    return parse_spec_data(data)
+    spec = parse_spec_data(data)
+    spec._source = Path(path).resolve()  # child specs' paths are read relative to it
+    return spec

@@ -159,6 +159,16 @@ class Approval(_Known):
     reason: str | None = None  # decided
 
 
+class Child(_Known):
+    """A call of a child agent started a child run (orchestrator/children.py)."""
+
+    type: Literal["child"] = "child"
+    iteration: int
+    call_id: str
+    agent: str
+    child: str  # the child run's id
+
+
 class Outcome(_Known):
     """The run ended; always its last event."""
 
@@ -169,7 +179,8 @@ class Outcome(_Known):
 
 
 _CLASSES: tuple[type[Event], ...] = (Queued, Iteration, ToolCall, Control, Supervisor, Recovery,
-                                     Discarded, Compaction, RateLimited, Text, Approval, Outcome)  # fmt: skip
+                                     Discarded, Compaction, RateLimited, Text, Approval, Child,
+                                     Outcome)  # fmt: skip
 KINDS: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _CLASSES}
 UNKNOWN = "*"
 
@@ -191,6 +202,7 @@ AnyEvent = Annotated[
     | Annotated[RateLimited, Tag("rate_limited")]
     | Annotated[Text, Tag("text")]
     | Annotated[Approval, Tag("approval")]
+    | Annotated[Child, Tag("child")]
     | Annotated[Outcome, Tag("outcome")]
     | Annotated[Event, Tag(UNKNOWN)],
     Discriminator(_kind),

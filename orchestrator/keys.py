@@ -46,6 +46,9 @@ class Keys:
         return f"{self.prefix}:{{s{shard}}}"
 
     def _run(self, run_id: str, part: str) -> str:
+        # A child run lives in its parent's shard (orchestrator/children.py), and a script on
+        # one run reaches its parent's or children's keys by putting their id in place of its
+        # own (``key_of`` in scripts.PRELUDE): the id stays the only variable part of the name.
         return f"{self._tag(shard_of(run_id))}:run:{run_id}:{part}"
 
     def run(self, run_id: str) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from orchestrator.bounds import STEER_MAX_CHARS
 from orchestrator.http_tools import HttpTool
@@ -161,6 +163,9 @@ class SandboxPolicy(_Strict):
 
 
 MAX_TOOL_CALLS_PER_TURN = 1000  # the ceiling a spec may raise max_tool_calls_per_turn to
+MAX_DEPTH = 10  # the ceiling of max_depth: a tree of child runs is at most this deep
+AGENT_TOOL_PREFIX = "agent__"  # a child agent's tool: agent__<name> (orchestrator/children.py)
+AGENT_NAME = re.compile(r"[A-Za-z0-9_-]{1,57}")  # so agent__<name> is a valid function name
 
 
 class RunSpec(_Strict):
@@ -192,6 +197,20 @@ class RunSpec(_Strict):
     approval_timeout_s: Float = Field(default=24 * 3600, gt=0)  # then the call is denied
     # one reply asking for more calls ends the run on error (TooManyToolCalls), none run
     max_tool_calls_per_turn: Int = Field(default=32, ge=1, le=MAX_TOOL_CALLS_PER_TURN)
+    # child runs (orchestrator/children.py): name -> a spec file's path, or an inline spec
+    # without `prompt`; each is offered to the model as the tool agent__<name>(prompt)
+    agents: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
+    max_depth: Int = Field(default=3, ge=0, le=MAX_DEPTH)  # levels of child runs below this run
+    description: str | None = None  # a child spec's: its tool's description for the model
+    _source: Path | None = PrivateAttr(default=None)  # the file it was read from (load_spec)
+
+    @field_validator("agents")
+    @classmethod
+    def _agent_names(cls, agents: dict[str, Any]) -> dict[str, Any]:
+        bad = [name for name in agents if not AGENT_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(f"agent names must match [A-Za-z0-9_-]{{1,57}}: {bad}")
+        return agents
 
     @field_validator("prompt", "model", "tenant")
     @classmethod
@@ -205,6 +224,9 @@ class RunSpec(_Strict):
     def _unique_tools(cls, names: list[str]) -> list[str]:
         if len(set(names)) != len(names):
             raise ValueError("tool names must be unique")
+        if reserved := [n for n in names if n.startswith(AGENT_TOOL_PREFIX)]:
+            raise ValueError(f"{reserved}: names starting with {AGENT_TOOL_PREFIX} are child agents' "
+                             "tools: declare them under `agents`")  # fmt: skip
         return names
 
     @field_validator("fallbacks")
@@ -235,6 +257,13 @@ class ToolCallRecord(BaseModel):
     iteration: int
 
 
+class ParentRef(BaseModel):
+    """The run and the call a child run was started by."""
+
+    run_id: str
+    call_id: str
+
+
 class RunResult(BaseModel):
     run_id: str
     status: Status
@@ -250,6 +279,8 @@ class RunResult(BaseModel):
     error: str | None = None
     error_type: str | None = None
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    parent: ParentRef | None = None  # a child run: the run and call that started it
+    children: list[str] = Field(default_factory=list)  # child runs started by this run's calls
 
     @property
     def succeeded(self) -> bool:

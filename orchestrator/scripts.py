@@ -100,6 +100,74 @@ local function next_look()
   redis.call('ZADD', LEASES, t or (NOW + LEASE), RUN_ID)
 end
 
+-- Child runs (orchestrator/children.py). A child lives in its parent's shard, so a script
+-- reaches its parent's and children's keys: their id in place of its own (keys.py). A
+-- child's hash names its ancestors (``ancestors``, parent first) and the parent's call it
+-- answers (``parent_key``); a parent's names its children (``children``, JSON).
+local RUN_BASE = string.sub(RUN, 1, #RUN - #RUN_ID - 6)  -- '<prefix>:{s<n>}:run:'
+local function key_of(id, i)  -- KEYS[i] of the run ``id``
+  return RUN_BASE .. id .. string.sub(KEYS[i], #RUN_BASE + #RUN_ID + 1)
+end
+
+-- The run ``id`` ended: its parent's call waiting for it is due within a lease (whoever
+-- ended it records the call now: worker/children.py; if that is lost, the sweeper sends
+-- the call again; an abort has no such ender: due now), and its children still running
+-- are aborted with it, in this same step.
+local function tree_end(id)
+  local f = redis.call('HMGET', key_of(id, 1), 'children', 'ancestors', 'parent_key', 'status')
+  local parent = f[2] and string.match(f[2], '^(%S+)')
+  if parent then
+    local pk, ck = key_of(parent, 1), key_of(parent, 4)
+    local ps = redis.call('HGET', pk, 'status')
+    if ps then redis.call('HINCRBY', pk, 'children_waiting', -1) end
+    local c = ps and not ended(ps) and parse(redis.call('HGET', ck, f[3]))
+    if c and c.kind == 'q' then
+      local due = f[4] == 'aborted' and NOW or NOW + LEASE
+      redis.call('HSET', ck, f[3], table.concat({c.kind, int(due), int(c.attempts),
+        int(c.gen), int(c.taken), c.owner, c.err}, '|'))
+      redis.call('ZADD', LEASES, 'LT', due, parent)
+    end
+  end
+  if not f[1] then return end
+  for _, child in ipairs(cjson.decode(f[1])) do
+    local st = redis.call('HMGET', key_of(child, 1), 'status', 'iteration', 'tenant')
+    if st[1] and not ended(st[1]) then
+      redis.call('HSET', key_of(child, 1), 'status', 'aborted', 'exit', 'aborted', 'content', '',
+        'result', '', 'error', 'aborted by tooloop: its parent run ' .. id .. ' ended',
+        'error_type', 'Aborted', 'phase', 'done', 'ended_at', NOW, 'updated_at', NOW)
+      local events = key_of(child, 8)
+      redis.call('XADD', events, 'MAXLEN', '~', MAXLEN, '*', 'type', 'control', 'ts', NOW,
+        'action', 'abort', 'by', 'parent:' .. id)
+      redis.call('XADD', events, 'MAXLEN', '~', MAXLEN, '*', 'type', 'outcome', 'ts', NOW,
+        'iteration', st[2] or 0, 'exit', 'aborted', 'status', 'aborted')
+      for i = 1, NRUN do redis.call('EXPIRE', key_of(child, i), TTL) end
+      redis.call('ZREM', LEASES, child)
+      redis.call('ZADD', EXPIRY, NOW + TTL * 1000, child .. '\\t' .. (st[3] or 'default'))
+      tree_end(child)
+    end
+  end
+end
+
+-- A child run whose tree's budget is spent: an ancestor's tokens or cost (which count its
+-- children's) reached the budget it had when it started children. -> why, error type | nil
+local function tree_spent()
+  local anc = redis.call('HGET', RUN, 'ancestors')
+  if not anc then return nil end
+  for id in string.gmatch(anc, '%S+') do
+    local a = redis.call('HMGET', key_of(id, 1), 'tokens_used', 'tree_token_budget', 'cost_usd',
+      'tree_cost_budget')
+    if a[2] and tonumber(a[1] or '0') >= tonumber(a[2]) then
+      return 'token budget ' .. a[2] .. ' of run ' .. id .. ' spent (' .. a[1] ..
+        ' tokens used by it and its children)', 'BudgetExceeded'
+    end
+    if a[4] and tonumber(a[3] or '0') >= tonumber(a[4]) then
+      return 'cost budget $' .. a[4] .. ' of run ' .. id .. ' spent ($' .. a[3] ..
+        ' by it and its children)', 'CostBudgetExceeded'
+    end
+  end
+  return nil
+end
+
 -- Ends the run: result fields, the outcome event, the retention clock; the expiry
 -- index tells the janitor when to drop it from the run indexes.
 local function finish(status, exit, content, result, err, err_type)
@@ -112,6 +180,7 @@ local function finish(status, exit, content, result, err, err_type)
   redis.call('ZREM', LEASES, RUN_ID)
   local tenant = redis.call('HGET', RUN, 'tenant') or 'default'
   redis.call('ZADD', EXPIRY, NOW + TTL * 1000, RUN_ID .. '\\t' .. tenant)
+  tree_end(RUN_ID)
 end
 
 local function gave_up_text(step, attempts, err)
@@ -147,7 +216,16 @@ local function add_usage(usage, kind)
   local n, cost = string.match(usage, '^(%d+) ?([^ ]*)$')
   local total = redis.call('HINCRBY', RUN, 'tokens_used', n)
   if kind then redis.call('HINCRBY', RUN, 'tokens_' .. kind, n) end
-  if cost ~= '' and tonumber(cost) > 0 then redis.call('HINCRBYFLOAT', RUN, 'cost_usd', cost) end
+  local priced = cost ~= '' and tonumber(cost) > 0
+  if priced then redis.call('HINCRBYFLOAT', RUN, 'cost_usd', cost) end
+  -- a child run's spend counts into every ancestor's, as it happens
+  for id in string.gmatch(redis.call('HGET', RUN, 'ancestors') or '', '%S+') do
+    local ak = key_of(id, 1)
+    if redis.call('EXISTS', ak) == 1 then
+      redis.call('HINCRBY', ak, 'tokens_used', n)
+      if priced then redis.call('HINCRBYFLOAT', ak, 'cost_usd', cost) end
+    end
+  end
   return total
 end
 
@@ -183,7 +261,8 @@ return 1
 
 # ARGV: iteration wanted, generation, owner
 # -> {'ok', spec, tokens_used, attempts, corrections, cost_usd, messages...}
-#  | {'ended'|'paused'|'stale'|'busy'|'missing'|'gave_up'}
+#  | {'ended'|'paused'|'stale'|'busy'|'missing'|'gave_up'|'budget'} ('budget': a child run
+#    ended here, its tree's budget spent: orchestrator/children.py)
 CLAIM_TURN = """
 local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_claimed',
   'turn_deadline', 'spec', 'tokens_used', 'turn_gen', 'turn_attempts', 'turn_error',
@@ -207,6 +286,11 @@ redis.call('HSET', RUN, 'turn_taken', arg(2))
 if attempts > CAP then
   give_up_turn(it, attempts - 1, st[10])
   return {'gave_up'}
+end
+local spent, spent_type = tree_spent()  -- a child run: its tree's budget is spent
+if spent then
+  finish('failed', 'budget_exceeded', '', '', spent, spent_type)
+  return {'budget'}
 end
 redis.call('HSET', RUN, 'status', 'running', 'turn_claimed', 1, 'turn_owner', arg(3),
   'turn_deadline', NOW + LEASE, 'turn_attempts', attempts, 'updated_at', NOW)

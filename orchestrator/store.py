@@ -164,6 +164,13 @@ class RunStore:
         return self._scripts[script](keys=self.keys.script_keys(run_id) + list(keys), args=argv,
                                      client=pipe or self.redis)  # fmt: skip
 
+    def run_script(self, name: str, source: str, run_id: str, *args: Any, keys: tuple = ()) -> Any:
+        """A step script of another module (``scripts.PRELUDE`` + ``source``, registered on first
+        use): the same KEYS and leading ARGV as the store's own, ``keys`` after them."""
+        if name not in self._scripts:
+            self._scripts[name] = self.redis.register_script(scripts.PRELUDE + source)
+        return self._run(name, run_id, *args, keys=keys)
+
     def time_ms(self) -> int:
         """Redis's clock: the one every lease is measured against."""
         seconds, micros = self.redis.time()
@@ -354,7 +361,12 @@ class RunStore:
             pause_max_s = float(json.loads(raw).get("pause_max_s", 3600))
         except (ValueError, TypeError, AttributeError):
             pause_max_s = 3600.0
-        return _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
+        verdict = _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
+        if verdict in ("ok", "already"):  # its child runs pause with it (orchestrator/children.py)
+            from orchestrator.children import pause_children
+
+            pause_children(self, run_id, by)
+        return verdict
 
     def resume(self, run_id: str, by: str = "operator") -> tuple[str, Recovery]:
         """('turn' | 'calls' | 'none' | a reason, the waiting steps): ``sends`` are to be
@@ -698,4 +710,6 @@ def build_result(run_id: str, state: dict[str, str], raw_calls: dict[Any, Any]) 
         error=state.get("error") or None,
         error_type=state.get("error_type") or None,
         tool_calls=[ToolCallRecord.model_validate_json(raw) for _, raw in records],
+        parent=json.loads(state["parent"]) if state.get("parent") else None,  # child runs
+        children=json.loads(state["children"]) if state.get("children") else [],
     )

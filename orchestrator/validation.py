@@ -15,6 +15,7 @@ from orchestrator.secrets import SecretError, seal_params
 from orchestrator.settings import Settings, get_settings
 
 if TYPE_CHECKING:
+    from orchestrator.children import Lineage
     from orchestrator.store import RunStore
 
 
@@ -69,9 +70,11 @@ class SpecReport:
     skill_docs: list[str] = field(default_factory=list)
 
 
-def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None) -> SpecReport:
+def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None,
+               lineage: Lineage | None = None) -> SpecReport:  # fmt: skip
     """Every check at submit. ``run_id``: the id the caller gives the run, if any (a
-    ``context.sandbox_root`` of ``$TOOLOOP_SANDBOX_ROOT/<name>`` is that run's folder only)."""
+    ``context.sandbox_root`` of ``$TOOLOOP_SANDBOX_ROOT/<name>`` is that run's folder only).
+    ``lineage``: where a child spec sits in its tree (orchestrator/children.py)."""
     settings = store.settings if store is not None else get_settings()
     report = SpecReport(stored_spec=spec)
     if too_large := spec_size_error(spec.model_dump_json(exclude_defaults=True)):
@@ -86,8 +89,21 @@ def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None)
         _check_tools(spec, store, report)
     check_http_tools(spec, store.catalog() if store is not None else None, settings, report)
     check_approval(report)
+    _check_agents(spec, store, settings, report, lineage)
     _check_round_trip(report)
     return report
+
+
+def _check_agents(spec: RunSpec, store: RunStore | None, settings: Settings, report: SpecReport,
+                  lineage: Lineage | None) -> None:  # fmt: skip
+    """Child agents: each checked as if submitted, the tree stored inline (orchestrator/children.py)."""
+    if not spec.agents:
+        return
+    from orchestrator.children import Lineage, check_agents
+
+    check_agents(spec, store, report, lineage or Lineage.root(spec, settings.agents_dir))
+    if lineage is None and (too_large := spec_size_error(report.stored_spec.model_dump_json())):
+        report.errors.append(f"agents: with its child specs inline, {too_large}")
 
 
 def _check_secrets(spec: RunSpec, report: SpecReport, settings: Settings) -> None:

@@ -99,6 +99,8 @@ def event_line(event: Event) -> str:
             return f"turn {event.iteration} text {json.dumps(event.text)}"
         case ev.Approval():
             return approval_line(event)
+        case ev.Child():
+            return f"turn {event.iteration} child {event.agent} run={event.child} call={event.call_id}"
     details = " ".join(f"{k}={_plain(v)}" for k, v in _fields(event).items())
     return f"{event.type} {details}".strip()
 

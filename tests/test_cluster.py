@@ -179,12 +179,13 @@ def script_names() -> dict[str, str]:
     return {hashlib.sha1(text.encode()).hexdigest(): name for name, text in script_sources().items()}
 
 
-def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_path):
+def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_path, model_server):
     """A workload through every kind of script (tool calls, pause, steer, resume, abort,
-    an approval, a rate limit, the sweeper), watched with MONITOR on each primary: each
-    script call names keys of one slot and runs commands on those keys only; every
-    command the clients send is one an ACL user is given (ACL_COMMANDS and, for a
-    cluster, CLUSTER_ACL_COMMANDS)."""
+    an approval, a rate limit, the sweeper, child runs), watched with MONITOR on each
+    primary: each script call names keys of one slot and runs commands on those keys
+    only, or on the keys of a run of its tree (a child run lives in its parent's shard:
+    ``key_of`` in scripts.PRELUDE); every command the clients send is one an ACL user
+    is given (ACL_COMMANDS and, for a cluster, CLUSTER_ACL_COMMANDS)."""
     import json
 
     import redis
@@ -207,53 +208,81 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
         held = d.client.submit(spec([{"content": "never", "hold": gate(holds)}]))
         wait_for(lambda: held.status() == Status.running, timeout=30)
         assert held.abort() == "ok"
+        kid = {"model": model_server.script([tools(call("add", {"a": 1, "b": 1})), {"content": "2"}]),
+               "model_params": {"api_base": model_server.api_base}, "tools": ["add"]}  # fmt: skip
+        twice = tools(call("agent__kid", {"prompt": "1+1"}), call("agent__kid", {"prompt": "1+1"}))
+        tree = d.client.submit(spec([twice, {"content": "done"}], token_budget=1000, agents={"kid": kid}))
+        child_held = gate(holds)
+        doomed = d.client.submit(spec([tools(call("agent__slow", {"prompt": "wait"})), {"content": "never"}],
+                                      agents={"slow": {**kid, "model": model_server.script(
+                                          [{"content": "late", "hold": child_held}])}}))  # fmt: skip
+        wait_for(lambda: doomed.result().children, timeout=30)
+        assert doomed.abort() == "ok"  # its child is aborted in the same script
+        child_held.set()
         for handle in plain:
             assert_done(handle.wait(timeout=60))
         assert gated.wait(timeout=60).status == Status.completed
+        done = tree.wait(timeout=60)
+        assert done.status == Status.completed and [r.output for r in done.tool_calls] == ["2", "2"]
+        assert done.tokens_used == 2 * 30 + 2 * 60  # the children's spend counted in, on the cluster
     finally:
         monitor.stop()
     specs = {name.lower(): info for name, info in redis.Redis(port=cluster.masters()[0]).command().items()}
-    names, seen = script_names(), set()
+    names, seen, tree = script_names(), set(), 0
     for sha, declared, commands in monitor.scripts():
         name = names.get(sha, sha)
         touched = [k for args in commands for k in command_keys(specs[args[0].lower()], args)]
         slots = {key_slot(k.encode()) for k in declared + touched}
         assert len(slots) == 1, f"{name} spans slots {sorted(slots)}: {declared} {touched}"
-        assert set(touched) <= set(declared), f"{name} touches undeclared keys {set(touched) - set(declared)}"
+        undeclared = set(touched) - set(declared)
+        assert all(RUN_KEY.fullmatch(k) and k.split(":run:")[0] == declared[0].split(":run:")[0]
+                   for k in undeclared), f"{name} touches undeclared keys {undeclared}"  # fmt: skip
+        tree += bool(undeclared)
         seen.add(name)
+    assert tree, "no script reached a run of its tree (a parent's keys from its child's)"
     wanted = {"CREATE", "CLAIM_TURN", "RECORD_REPLY", "START_CALL", "RECORD_CALL", "PAUSE", "RESUME",
-              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE"}  # fmt: skip
+              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "START_CHILD"}  # fmt: skip
     assert wanted <= seen, f"not exercised: {wanted - seen} (seen: {sorted(seen)})"
     sent = monitor.client_commands(cluster.ports)
     allowed = set(ACL_COMMANDS) | set(CLUSTER_ACL_COMMANDS)
     assert "evalsha" in sent and sent <= allowed, f"not in the ACL lists: {sorted(sent - allowed)}"
 
 
+RUN_KEY = re.compile(r"[^{}]+:\{s\d+\}:run:[A-Za-z0-9_-]{1,64}:[a-z]+")  # keys.Keys._run
+
+
 def script_sources() -> dict[str, str]:
-    from orchestrator import approvals, scripts, telemetry
+    from orchestrator import approvals, children, scripts, telemetry
     from worker import ratelimit
 
     sources = {name: scripts.PRELUDE + getattr(scripts, name) for name in scripts.RUN_SCRIPTS}
     return sources | {"DUE": scripts.DUE, "QUEUED": scripts.QUEUED, "PARK": approvals.PARK,
                       "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
-                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE}  # fmt: skip
+                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE,
+                      "START_CHILD": scripts.PRELUDE + children.START_CHILD}  # fmt: skip
 
 
 def test_scripts_name_keys_only_through_KEYS():
     """The scripts MONITOR did not see run are read instead: every command's key is
     ``KEYS[...]`` or a local bound to it, never a name built inside Lua (which Cluster
-    cannot route, and which might hash to another slot)."""
-    calls = re.compile(r"redis\.p?call\(\s*'(\w+)'\s*(?:,\s*([^,)]+))?")
+    cannot route, and which might hash to another slot). The one exception: the keys of
+    another run of the tree, ``key_of(id, i)`` (KEYS[i] with that run's id in place of the
+    script's own), in the same shard by construction (orchestrator/children.py)."""
+    calls = re.compile(r"redis\.p?call\(\s*'(\w+)'\s*(?:,\s*([^,)]+(?:\([^)]*\))?))?")
     for name, source in script_sources().items():
-        bound = set()
-        for names, values in re.findall(r"local ([A-Z_][A-Z_, ]*) =\s*([^\n]*(?:\n\s+KEYS[^\n]*)?)", source):
+        bound, derived = set(), set()
+        local = r"local ([A-Za-z_][A-Za-z_, ]*) =\s*([^\n]*(?:\n\s+KEYS[^\n]*)?)"
+        for names, values in re.findall(local, source):
             if "KEYS[" in values:
-                bound |= {n.strip() for n in names.split(",")}
+                bound |= {n.strip() for n in names.split(",") if n.strip().isupper()}
+            if values.startswith("key_of("):  # `local pk, ck = key_of(parent, 1), key_of(parent, 4)`
+                derived |= {n.strip() for n in names.split(",")}
         for command, first in calls.findall(source):
             first = first.strip()
             if command in ("TIME",):
                 continue
-            assert first.startswith("KEYS[") or first in bound, f"{name}: {command} {first} is not from KEYS"
+            ok = first.startswith(("KEYS[", "key_of(")) or first in bound or first in derived
+            assert ok, f"{name}: {command} {first} is not from KEYS"
 
 
 def test_every_scripts_keys_share_one_slot():
@@ -270,6 +299,13 @@ def test_every_scripts_keys_share_one_slot():
         assert len({key_slot(k.encode()) for k in named}) == 1, named
     for shard in range(SHARDS):
         assert key_slot(keys.sweep_lock(shard).encode()) == key_slot(keys.leases(shard).encode())
+    # a child run's keys (and its children's) hash to its parent's slot: scripts reach them
+    from orchestrator.children import child_id
+
+    for i in range(200):
+        parent = uuid.uuid4().hex
+        grandchild = child_id(child_id(parent, f"{i}.0"), "1.2")
+        assert key_slot(keys.run(grandchild).encode()) == key_slot(keys.run(parent).encode())
 
 
 # -- failover ---------------------------------------------------------------------------

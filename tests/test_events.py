@@ -7,7 +7,7 @@ import json
 import re
 from datetime import UTC, datetime
 
-from orchestrator import Status, approvals, scripts
+from orchestrator import Status, approvals, children, scripts
 from orchestrator import events as ev
 from orchestrator.views import event_line
 from tests.helpers import gate
@@ -41,6 +41,8 @@ SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "approval": ({"iteration": "1", "call_id": "c1", "tool": "deploy", "decision": "pending",
                   "arguments": '{"a": 1}', "deadline": TS},
                  {"iteration": 1, "decision": "pending", "arguments": '{"a": 1}', "deadline": WHEN}),
+    "child": ({"iteration": "1", "call_id": "c1", "agent": "researcher", "child": "r1-1-0-3"},
+              {"iteration": 1, "call_id": "c1", "agent": "researcher", "child": "r1-1-0-3"}),
     "outcome": ({"iteration": "2", "exit": "default", "status": "completed"},
                 {"iteration": 2, "exit": "default", "status": Status.completed}),
 }  # fmt: skip
@@ -48,7 +50,7 @@ SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
 
 def written_kinds() -> set[str]:
     """Every event type the Lua scripts write (``event('<type>', ...)``; approvals have one)."""
-    lua = "\n".join(v for v in vars(scripts).values() if isinstance(v, str))
+    lua = "\n".join(v for v in [*vars(scripts).values(), children.START_CHILD] if isinstance(v, str))
     kinds = set(re.findall(r"\bevent\('([a-z_]+)'", lua))
     assert "'type', 'approval'" in approvals._COMMON
     return kinds | {"approval"}

@@ -4,7 +4,7 @@
   script that records the model's reply, fenced by the turn's owner): the call as the
   model made it (tool, call id, arguments: sealed if they hold a secret) and routing
   hints (``allowed``, ``http``, ``approval``, ``timeout_s``) that only pick a queue, a
-  time-limit backstop and the approval gate.
+  time-limit backstop and the approval gate; ``agent`` marks a call of a child agent.
 - **message**: the Celery task's argument. It only names the call (run, iteration,
   index, key) and, for routing and monitors, the tool; the tool task reads nothing
   else from it. Whoever can write to the broker can name a call that exists, and
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.children import agent_of
 from orchestrator.http_tools import declared
 from orchestrator.keys import call_key
 from orchestrator.models import RunSpec
@@ -49,6 +50,8 @@ def stored_call(spec: RunSpec, run_id: str, iteration: int, index: int, call_id:
         out["http"] = True  # routing: any tool worker sends a declared HTTP tool's request
     if gated(spec, name, catalog):
         out["approval"] = True  # parked until a person decides
+    if agent := agent_of(name, spec):
+        out["agent"] = agent  # starts a child run (worker/children.py)
     return out
 
 

@@ -174,6 +174,15 @@ def _open(message: dict[str, Any], scrub: bool, tenant: str) -> dict[str, Any]:
     return out
 
 
+def given_prompt(text: str, tenant: str) -> dict[str, Any]:
+    """A prompt a model wrote for another run (a child agent's call): the user message, its
+    secrets masked as in a tool output, the original kept sealed for a run with
+    ``scrub_model_input: false``."""
+    clean = scrub_text(text)
+    message = {"role": "user", "content": clean}
+    return message if clean == text else _keep_original(message, {"content": text}, tenant)
+
+
 def _keep_original(message: dict[str, Any], original: dict[str, Any], tenant: str) -> dict[str, Any]:
     try:
         return {**message, SEALED_FIELD: seal(json.dumps(original), tenant)}

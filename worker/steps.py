@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.children import tool_names
 from orchestrator.http_tools import declared
 from orchestrator.models import Exit, RunSpec
 from orchestrator.store import Finish
@@ -95,7 +96,7 @@ def decide(
             ]
         ), spec)  # fmt: skip
     content = message.get("content") or ""
-    names = [*spec.tools, *declared(spec)]  # every tool the model was offered
+    names = [*spec.tools, *declared(spec), *tool_names(spec)]  # every tool the model was offered
     parsed = textcalls.parse(content, names)
     if parsed.calls:
         return capped(text_calls(parsed, iteration), spec)

@@ -16,7 +16,7 @@ from orchestrator.models import SandboxPolicy, ToolCallRecord
 from orchestrator.secrets import SecretError
 from orchestrator.settings import get_settings
 from orchestrator.store import CallStart, Held, RunStore, new_owner
-from worker import calls, protect
+from worker import calls, children, protect
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
 from worker.maintenance import INFLIGHT, with_retries
 from worker.registry import REGISTRY, Tool
@@ -30,6 +30,8 @@ LOST = "WorkerLost: the worker running this call was lost; its outcome is unknow
 @app.task(name=TOOL_TASK)
 def run_tool(message: dict[str, Any], gen: int = 0) -> None:
     """``message`` only names the call (worker/calls.py): what it may do is read from Redis."""
+    if children.is_child_call(message) and children.ChildCall(get_store(), message, gen).run():
+        return  # a call of a child agent starts a run, not a process (worker/children.py)
     ToolCall(get_store(), message, gen, worker=run_tool.request.hostname or "").run()
 
 

@@ -24,10 +24,11 @@ from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
 from orchestrator.bounds import ERROR_MAX_CHARS, REPLY_MAX_CHARS
+from orchestrator.children import tool_schemas as agent_schemas
 from orchestrator.http_tools import declared
 from orchestrator.models import Exit, RunSpec
 from orchestrator.store import Finish, Held, RunStore, TurnClaim, new_owner
-from worker import aio, compaction, deferred, llm, protect
+from worker import aio, children, compaction, deferred, llm, protect
 from worker.app import TURN_TASK, app, enqueue_call, enqueue_turn, get_store
 from worker.calls import stored_call
 from worker.maintenance import INFLIGHT, with_retries
@@ -94,8 +95,10 @@ def start_turn(store: RunStore, run_id: str, iteration: int, gen: int = 0) -> Fu
                             error_type="SpecUnreadable")  # fmt: skip
         store.finish(run_id, unreadable, fence=(iteration, owner))
         return None
-    if isinstance(claim, str):  # ended, paused, stale, busy, gave_up: nothing to do here
+    if isinstance(claim, str):  # ended, paused, stale, busy, gave_up, budget: nothing to do here
         log.debug("turn %s/%d skipped: %s", run_id, iteration, claim)
+        if claim in ("gave_up", "budget"):  # the run ended here: a child's parent learns it now
+            children.hand_off(store, run_id)
         return None
     held = Held(run_id, "turn", "", owner, iteration)
     INFLIGHT.add(store, held, max_s=max_call_s(claim.spec, limiter_for(store.settings) is not None))
@@ -267,6 +270,8 @@ class Turn:
                             budget_s=self.store.settings.lease_s):  # fmt: skip
             log.info("turn %s/%d: not ended by this turn (ended, or taken over)",
                      self.held.run_id, self.held.iteration)  # fmt: skip
+            return
+        children.hand_off(self.store, self.held.run_id)
 
     def act(self, decision: Finish | RunTools | Correct, reply: llm.Reply) -> None:
         """Record the reply (with its tokens, once), then dispatch the tool calls.
@@ -286,6 +291,7 @@ class Turn:
             self.unbilled = None
             if verdict == "finished":
                 self.chain.after_turn(self.ctx, decision, reply.tokens)
+                children.hand_off(self.store, run_id)
             else:
                 log.info("turn %s/%d reply discarded: %s", run_id, iteration, verdict)
             return
@@ -307,7 +313,10 @@ class Turn:
             return
         self.chain.after_turn(self.ctx, decision, reply.tokens)
         for payload in payloads:
-            enqueue_call(payload, 1)
+            if payload.get("agent"):  # a child agent: its run starts here (worker/children.py)
+                children.start_now(self.store, payload)
+            else:
+                enqueue_call(payload, 1)
 
     def defer(self, wait_s: float) -> None:
         """Wait for rate-limit capacity in the queue (a countdown), not in a worker slot."""
@@ -334,6 +343,7 @@ def tool_schemas(store: RunStore, spec: RunSpec) -> list[dict[str, Any]] | None:
     """OpenAI-format schemas of the spec's tools, from this process or the live catalog."""
     global _catalog
     declared_http = [function_schema(t.definition()) for t in declared(spec).values()]
+    declared_http += agent_schemas(spec)  # child agents (orchestrator/children.py)
     if not spec.tools:
         return declared_http or None
     missing = [name for name in spec.tools if name not in REGISTRY]

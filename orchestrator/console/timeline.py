@@ -58,11 +58,14 @@ class CallView:
     worker: str | None = None  # the Celery node that ran it
     waiting: bool = False  # waits for a person's decision
     approval: dict[str, Any] | None = None  # the approval record, when the call was gated
+    child: str | None = None  # the child run a call of a child agent started
 
     @property
     def state(self) -> str:
         if self.success is not None:
             return "ok" if self.success else "error"
+        if self.child:
+            return "waiting for its child run"
         return "waiting for approval" if self.waiting else "running"
 
 
@@ -160,6 +163,8 @@ def build(run_id: str, state: dict[str, str], messages: list[dict[str, Any]],
     for n, turn in turns.items():
         turn.pending = n > iteration
     parent = _json(state.get("parent"))
+    children = [str(c) for c in (_json(state.get("children")) or [])]
+    _link_children(run_id, turns, children)
     return RunView(
         run_id=run_id, status=status, exit=state.get("exit") or None,
         model=str(spec.get("model", "?")), agent=agent_of(spec),
@@ -176,8 +181,21 @@ def build(run_id: str, state: dict[str, str], messages: list[dict[str, Any]],
         turns=[turns[n] for n in sorted(turns)], start_notes=start_notes,
         last_event_id=events[-1]["id"] if events else "0",
         parent=parent if isinstance(parent, dict) else None,
-        children=[str(c) for c in (_json(state.get("children")) or [])],
+        children=children,
     )  # fmt: skip
+
+
+def _link_children(run_id: str, turns: dict[int, TurnView], children: list[str]) -> None:
+    """Each call of a child agent names the child run it started (orchestrator/children.py)."""
+    if not children:
+        return
+    from orchestrator.children import child_id
+
+    started = set(children)
+    for turn in turns.values():
+        for call in turn.calls:
+            if call.tool.startswith("agent__") and (made := child_id(run_id, call.key)) in started:
+                call.child = made
 
 
 def _spec(raw: str) -> dict[str, Any]:
