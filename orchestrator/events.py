@@ -159,6 +159,28 @@ class Approval(_Known):
     reason: str | None = None  # decided
 
 
+class Forked(_Known):
+    """The run is a fork: its history up to turn ``iteration`` is ``parent``'s, its first
+    turn is ``iteration`` (orchestrator/fork.py)."""
+
+    type: Literal["forked"] = "forked"
+    parent: str
+    iteration: int
+    model: str | None = None  # set when the fork runs another model than its parent
+    prompt_appended: bool = False  # an instruction was appended to the history
+
+
+class ForkWarning(_Known):
+    """Calls before the fork's first turn were not idempotent: their effects happened for
+    the parent (its sandbox folder, the world outside), and the fork neither repeats nor
+    undoes them; its own sandbox folder starts empty."""
+
+    type: Literal["fork_warning"] = "fork_warning"
+    iteration: int
+    calls: int  # calls before ``iteration`` whose tools are not idempotent
+    tools: str  # their tools' names, comma-separated
+
+
 class Outcome(_Known):
     """The run ended; always its last event."""
 
@@ -169,7 +191,8 @@ class Outcome(_Known):
 
 
 _CLASSES: tuple[type[Event], ...] = (Queued, Iteration, ToolCall, Control, Supervisor, Recovery,
-                                     Discarded, Compaction, RateLimited, Text, Approval, Outcome)  # fmt: skip
+                                     Discarded, Compaction, RateLimited, Text, Approval, Forked, ForkWarning,
+                                     Outcome)  # fmt: skip
 KINDS: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _CLASSES}
 UNKNOWN = "*"
 
@@ -191,6 +214,8 @@ AnyEvent = Annotated[
     | Annotated[RateLimited, Tag("rate_limited")]
     | Annotated[Text, Tag("text")]
     | Annotated[Approval, Tag("approval")]
+    | Annotated[Forked, Tag("forked")]
+    | Annotated[ForkWarning, Tag("fork_warning")]
     | Annotated[Outcome, Tag("outcome")]
     | Annotated[Event, Tag(UNKNOWN)],
     Discriminator(_kind),

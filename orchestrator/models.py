@@ -235,6 +235,13 @@ class ToolCallRecord(BaseModel):
     iteration: int
 
 
+class ForkedFrom(BaseModel):
+    """The run a fork was made from, and the turn it was made at (its own first turn)."""
+
+    run_id: str
+    iteration: int
+
+
 class RunResult(BaseModel):
     run_id: str
     status: Status
@@ -250,6 +257,7 @@ class RunResult(BaseModel):
     error: str | None = None
     error_type: str | None = None
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    forked_from: ForkedFrom | None = None  # a fork's parent and turn (orchestrator/fork.py)
 
     @property
     def succeeded(self) -> bool:

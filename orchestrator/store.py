@@ -677,4 +677,5 @@ def build_result(run_id: str, state: dict[str, str], raw_calls: dict[Any, Any]) 
         error=state.get("error") or None,
         error_type=state.get("error_type") or None,
         tool_calls=[ToolCallRecord.model_validate_json(raw) for _, raw in records],
+        forked_from=json.loads(state["forked_from"]) if state.get("forked_from") else None,
     )
