@@ -282,6 +282,29 @@ def tools_command(as_json: JsonOpt = False) -> None:
     print("(http tools are declared per run, in specs: `http_tools`)", file=sys.stderr)
 
 
+@app.command()
+def fork(
+    run_id: RunArg,
+    at: Annotated[int, typer.Option("--at", help="the turn the fork starts at (1..turns+1)")],
+    prompt_append: Annotated[str | None, typer.Option(
+        "--prompt-append", help="an instruction that ends the fork's history (a user message)")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="the model the fork runs on")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A new run with RUN's history as it stood when turn N began; nothing before N runs again."""
+    from orchestrator.fork import ForkError
+
+    try:
+        handle = _client().fork(run_id, at, prompt_append, model, by=_who())
+    except ForkError as exc:
+        _fail(str(exc), 2, exc.kind)
+    if as_json:
+        _print_json({"run_id": handle.run_id, "status": handle.status().value,
+                     "forked_from": {"run_id": run_id, "iteration": at}})  # fmt: skip
+    else:
+        print(handle.run_id)
+
+
 # -- control --------------------------------------------------------------------
 def _control(verdict: str, run_id: str, action: str) -> None:
     if verdict == "missing":
