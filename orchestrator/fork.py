@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import journal
@@ -130,6 +130,26 @@ class Parent:
         return self.iteration + 1 if ended or phase == "turn" else self.iteration
 
 
+@dataclass
+class Plan:
+    """What the fork's script writes: a run that starts at turn ``at`` with this history."""
+
+    spec: RunSpec
+    history: list[dict[str, Any]]
+    at: int
+    forked_from: ForkedFrom
+    tokens: int = 0
+    cost: float = 0.0
+    compaction_tokens: int = 0
+    calls: dict[str, str] = field(default_factory=dict)  # the parent's records before `at`
+    call_ids: dict[str, str] = field(default_factory=dict)
+    journal: dict[str, str] = field(default_factory=dict)  # the parent's journal before `at`
+    by: str = "operator"
+    model: str = ""  # another model than the parent's
+    prompt_appended: bool = False
+    not_idempotent: list[str] = field(default_factory=list)  # tools of calls before `at`
+
+
 def fork_run(
     client: Client,
     run_id: str,
@@ -160,33 +180,40 @@ def fork_run(
             raise ForkError(str(exc)) from None
         history.append({"role": "user", "content": prompt_append})
     tokens, cost = _spent_before(store, parent, at)
-    fork_id = uuid.uuid4().hex
     calls = {k: v for k, v in parent.calls.items() if parent_turn(k) < at}
-    call_ids = {cid: key for cid, key in parent.call_ids.items() if parent_turn(key) < at}
-    copied = _journal_fields(parent.journal, at)
-    compaction_tokens = sum(int(c.get("tokens") or 0) for n, entry in parent.journal.turns.items() if n < at
-                            for c in entry.get("compactions") or [])  # fmt: skip
-    warned = _not_idempotent(store, spec, calls)
-    forked_from = ForkedFrom(run_id=run_id, iteration=at).model_dump_json()
-    args: list[Any] = [
-        fork_id, spec.model_dump_json(), spec.tenant, at - 1, tokens, f"{cost:.10f}", compaction_tokens,
-        forked_from, int(store.settings.lease_s * 1000), store.settings.events_maxlen, by,
-        model if model and model != parent_model(parent) else "", int(prompt_append is not None),
-        len(warned), ",".join(sorted(set(warned))),
-    ]  # fmt: skip
-    args += [len(history), *(json.dumps(m) for m in history)]
-    args += [len(calls), *(x for kv in calls.items() for x in kv)]
-    args += [len(call_ids), *(x for kv in call_ids.items() for x in kv)]
-    args += [len(copied), *(x for kv in copied.items() for x in kv)]
-    keys, shard = store.keys, shard_of(fork_id)
-    written = _script(store, "WRITE")(keys=[
-        keys.run(fork_id), keys.messages(fork_id), keys.calls(fork_id), keys.call_ids(fork_id),
-        keys.events(fork_id), keys.journal(fork_id), keys.runs(shard), keys.tenant_runs(spec.tenant, shard),
-        keys.leases(shard)], args=args)  # fmt: skip
-    if not written:
+    plan = Plan(
+        spec, history, at, ForkedFrom(run_id=run_id, iteration=at), tokens, cost,
+        compaction_tokens=sum(int(c.get("tokens") or 0) for n, entry in parent.journal.turns.items() if n < at
+                              for c in entry.get("compactions") or []),
+        calls=calls, call_ids={cid: key for cid, key in parent.call_ids.items() if parent_turn(key) < at},
+        journal=_journal_fields(parent.journal, at), by=by, prompt_appended=prompt_append is not None,
+        model=model if model and model != parent_model(parent) else "",
+        not_idempotent=_not_idempotent(store, calls),
+    )  # fmt: skip
+    fork_id = uuid.uuid4().hex
+    if not write(store, fork_id, plan):
         raise ForkError(f"run {fork_id} already exists")
     enqueue_turn(fork_id, at, 1, client.celery)
     return RunHandle(client, fork_id)
+
+
+def write(store: RunStore, run_id: str, plan: Plan) -> bool:
+    """Write the run ``plan`` describes, in one step; False if ``run_id`` is taken. Its turn
+    ``plan.at`` is then to be sent at generation 1."""
+    args: list[Any] = [
+        run_id, plan.spec.model_dump_json(), plan.spec.tenant, plan.at - 1, plan.tokens, f"{plan.cost:.10f}",
+        plan.compaction_tokens, plan.forked_from.model_dump_json(), int(store.settings.lease_s * 1000),
+        store.settings.events_maxlen, plan.by, plan.model, int(plan.prompt_appended),
+        len(plan.not_idempotent), ",".join(sorted(set(plan.not_idempotent))),
+    ]  # fmt: skip
+    args += [len(plan.history), *(json.dumps(m) for m in plan.history)]
+    for pairs in (plan.calls, plan.call_ids, plan.journal):
+        args += [len(pairs), *(x for kv in pairs.items() for x in kv)]
+    keys, shard = store.keys, shard_of(run_id)
+    return bool(_script(store, "WRITE")(keys=[
+        keys.run(run_id), keys.messages(run_id), keys.calls(run_id), keys.call_ids(run_id),
+        keys.events(run_id), keys.journal(run_id), keys.runs(shard),
+        keys.tenant_runs(plan.spec.tenant, shard), keys.leases(shard)], args=args))  # fmt: skip
 
 
 def parent_turn(call_key: str) -> int:
@@ -294,7 +321,7 @@ def _journal_fields(parent: journal.Journal, at: int) -> dict[str, str]:
             if name.startswith("s") or (name[0] in "tc" and before(name))}  # fmt: skip
 
 
-def _not_idempotent(store: RunStore, spec: RunSpec, calls: dict[str, str]) -> list[str]:
+def _not_idempotent(store: RunStore, calls: dict[str, str]) -> list[str]:
     """The tools of calls before the fork that ran and are not idempotent (as the live
     catalog says; a tool it does not know, or a declared HTTP tool, is taken as not)."""
     catalog = store.catalog()
