@@ -105,9 +105,12 @@ def request_info(model: str, messages: list[dict[str, Any]], run_id: str = "") -
     return {"model": model, "n": len(messages), "digest": _digest("\n".join(digests), 32), "tail": tail}
 
 
-def first_difference(recorded: dict[str, Any], now: dict[str, Any]) -> tuple[Any, Any] | None:
-    """Where two requests' digests part: (recorded, now) as shown in a report, or None."""
-    if recorded.get("model") != now.get("model"):
+def first_difference(recorded: dict[str, Any], now: dict[str, Any],
+                     new_only: bool = False) -> tuple[Any, Any] | None:  # fmt: skip
+    """Where two requests' digests part: (recorded, now) as shown in a report, or None.
+    ``new_only``: only among the messages since the last reply (an earlier difference was
+    found at an earlier turn already)."""
+    if recorded.get("model") != now.get("model") and not new_only:
         return {"model": recorded.get("model")}, {"model": now.get("model")}
     if recorded.get("digest") == now.get("digest"):
         return None
@@ -117,6 +120,8 @@ def first_difference(recorded: dict[str, Any], now: dict[str, Any]) -> tuple[Any
         a, b = old.get(i), new.get(i)
         if a is None or b is None or a["digest"] != b["digest"]:
             return _shown(i, a), _shown(i, b)
+    if new_only:
+        return None
     return ({"messages": recorded.get("n"), "digest": recorded.get("digest")},
             {"messages": now.get("n"), "digest": now.get("digest")})  # fmt: skip
 

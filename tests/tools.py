@@ -170,3 +170,10 @@ def tagged_sleep(seconds: float, sandbox_root: str) -> int:
     time.sleep(seconds)
     open(os.path.join(sandbox_root, f"done-{pid}"), "w").close()
     return pid
+
+
+@tool(idempotent=True)
+def read_note(path: str) -> str:
+    """Read a text file (a world-readable one the replay tests change between a run and its replay)."""
+    with open(path) as f:
+        return f.read()

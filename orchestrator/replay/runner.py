@@ -223,7 +223,7 @@ class Session:
         raw = self.store.redis.hget(self.store.keys.journal(self.run_id), f"t{iteration}")
         now = json.loads(raw)["request"] if raw else None
         if now and line.get("request"):
-            parted = journal.first_difference(line["request"], now)
+            parted = journal.first_difference(line["request"], now, new_only=bool(self.divergences))
             if parted is not None:
                 self._diverge(Divergence(iteration=iteration, what="request", recorded=parted[0], now=parted[1]))
 
