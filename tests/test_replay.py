@@ -167,3 +167,110 @@ def test_a_schema_that_refuses_the_recorded_arguments_is_found(cassettes, monkey
     [first] = replay(path).divergences
     assert (first.iteration, first.what, first.recorded["arguments"]) == (1, "tool_arguments", {"a": 2, "b": 3})
     assert "c: Field required" in first.now["error"]
+
+
+def test_a_changed_steering_file_is_found(client, worker, spec, store, tmp_path, monkeypatch):
+    style = tmp_path / "agents/reviewer/steering/style.md"
+    style.parent.mkdir(parents=True)
+    style.write_text("Answer in one line.\n")
+    monkeypatch.chdir(tmp_path)  # steering files are read from the submitter's (and the replay's) cwd
+    steps = [tools(call("add", {"a": 1, "b": 2})), {"content": "3"}]
+    handle = client.submit(spec(steps, tools=["add"], steering_files=["agents/reviewer/steering/style.md"]))
+    result = handle.wait(timeout=60)
+    path = save(store, handle.run_id, tmp_path, "steered")
+    same_run(replay(path), result)
+    style.write_text("Answer in two lines.\n")
+    [first] = replay(path).divergences
+    assert (first.iteration, first.what) == (1, "request")
+    assert (first.recorded["message"], first.recorded["role"], first.now["role"]) == (0, "system", "system")
+    assert "Answer in one line." in first.recorded["text"] and "Answer in two lines." in first.now["text"]
+
+
+def test_a_changed_prompt_is_found_and_the_cli_says_so(cassettes, tmp_path):
+    from orchestrator.cli import app
+
+    result, path = cassettes["calls"]
+    recorded_spec = load(path).spec
+    report = replay(path, spec={**recorded_spec, "prompt": "do another task"})
+    [first] = report.divergences
+    assert (first.iteration, first.what, first.recorded, first.now) == (
+        1, "request", {"message": 1, "role": "user", "text": "do the task"},
+        {"message": 1, "role": "user", "text": "do another task"})  # fmt: skip
+    # the CLI: the same replay, a spec file given; one JSON document, exit 1 (0 when same)
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps({**recorded_spec, "prompt": "do another task"}))
+    runner = CliRunner()
+    out = runner.invoke(app, ["replay", str(path), "--spec", str(changed), "--json"])
+    assert out.exit_code == 1, out.output
+    document = json.loads(out.stdout)
+    assert document["same"] is False and document["divergences"][0]["now"]["text"] == "do another task"
+    same = runner.invoke(app, ["replay", str(path)])
+    assert same.exit_code == 0 and same.stdout.startswith("same:"), same.output
+    refused = runner.invoke(app, ["replay", str(tmp_path / "missing.jsonl"), "--json"])
+    assert refused.exit_code == 2 and json.loads(refused.stdout)["error"]["type"] == "cassette_refused"
+
+
+def test_a_different_exit_is_found(cassettes):
+    result, path = cassettes["calls"]
+    spec = {**load(path).spec, "max_iterations": 2}  # not part of any request
+    report = replay(path, spec=spec)
+    [first] = report.divergences
+    assert (first.what, first.recorded["exit"], first.now["exit"]) == ("exit", "default", "max_iterations")
+    assert report.result.exit == "max_iterations"
+
+
+def test_a_cassette_holds_no_secret(client, worker, spec, store, model_server, tmp_path):
+    """Every place a secret can enter a run: a sealed key, a header, a binding, a tool's output,
+    a call's arguments, the model's own text and the prompt."""
+    text = f"token={LEAKED['github']}"
+    steps = [tools(call("leaky"), call("fingerprint", {"text": text})),
+             {"content": f"Done. The key was {LEAKED['api_key']}, aws {LEAKED['aws']}."}]  # fmt: skip
+    data = spec(steps, tools=["leaky", "fingerprint"], prompt=f"use password={LEAKED['password']}",
+                model_params={"api_key": "sk-own-secret-key-1234", "extra_headers": {"X-Api-Key": "hdr-secret-2"}},
+                context={"resource_bindings": {"db": f"postgres://app:{LEAKED['password']}@db/app"}})  # fmt: skip
+    handle = client.submit(data)
+    assert handle.wait(timeout=60).status == Status.completed
+    path = save(store, handle.run_id, tmp_path, "secrets")
+    blob = path.read_text()
+    hunted = [*LEAKED.values(), "sk-own-secret-key-1234", "hdr-secret-2", "sealed:"]
+    assert [s for s in hunted if s in blob] == []
+    assert "fingerprint" in blob and "leaky" in blob  # the calls are there, their secrets masked
+    assert replay(path).same  # and it replays, masked
+
+
+def test_only_an_ended_run_is_recorded(client, worker, spec, store, holds, tmp_path):
+    from orchestrator.cli import app
+    from tests.helpers import gate
+
+    handle = client.submit(spec([{"content": "later", "hold": gate(holds)}]))
+    wait_for(lambda: handle.status() == Status.running)
+    with pytest.raises(RecordError, match="only an ended run can be recorded") as refused:
+        record(store, handle.run_id)
+    assert refused.value.kind == "running"
+    out = CliRunner().invoke(app, ["record", handle.run_id, "-o", str(tmp_path / "x.jsonl"), "--json"])
+    assert out.exit_code == 2 and json.loads(out.stdout)["error"]["type"] == "running"
+    assert not (tmp_path / "x.jsonl").exists()
+    missing = CliRunner().invoke(app, ["record", "no-such-run", "-o", str(tmp_path / "y.jsonl")])
+    assert missing.exit_code == 2
+    holds[0].set()
+    handle.wait(timeout=60)
+    done = CliRunner().invoke(app, ["record", handle.run_id, "-o", str(tmp_path / "x.jsonl"), "--json"])
+    assert done.exit_code == 0 and json.loads(done.stdout)["turns"] == 1
+    assert replay(tmp_path / "x.jsonl").same
+
+
+def test_a_forks_cassette_replays_from_where_it_was_forked(client, worker, spec, store, model_server, tmp_path):
+    steps = [tools(call("add", {"a": 1, "b": 2})), tools(call("add", {"a": 3, "b": 4})), {"content": "7"}]
+    parent = client.submit(spec(steps, tools=["add"]))
+    parent.wait(timeout=60)
+    other = model_server.script([{"content": "never"}, {"content": "never"}, {"content": "seven"}])
+    fork = parent.fork(at=3, prompt_append="Say it in words.", model=other)
+    result = fork.wait(timeout=60)
+    assert result.content == "seven"
+    path = save(store, fork.run_id, tmp_path, "fork")
+    cassette = load(path)
+    assert cassette.header["start"]["iteration"] == 3 and sorted(cassette.turns) == [3]
+    assert cassette.header["start"]["messages"][-1] == {"role": "user", "content": "Say it in words."}
+    report = replay(path)
+    same_run(report, result)
+    assert report.result.forked_from == result.forked_from
