@@ -338,8 +338,8 @@ def record_command(
 @app.command("replay")
 def replay_command(
     cassette: Annotated[Path, typer.Argument(help="a cassette written by `tooloop record`")],
-    tools: Annotated[str, typer.Option("--tools", help="recorded: results from the cassette; live: run the "
-                                                        "tools (in a sandbox folder of the replay's own)")] = "recorded",
+    tools: Annotated[str, typer.Option("--tools", help="recorded: results from the cassette; live: run "
+                                       "the tools (in a sandbox folder of the replay's own)")] = "recorded",
     keep_going: Annotated[bool, typer.Option("--continue", help="go on past the first divergence")] = False,
     spec: Annotated[Path | None, typer.Option("--spec", help="run this spec instead of the recorded one "
                                                              "(the model stays the cassette's)")] = None,
@@ -370,7 +370,8 @@ def _replay_summary(report: Any) -> str:
         return f"same: {report.cassette} replayed ({turns} turn(s), tools {report.tools})"
     lines = [f"diverged: {report.cassette} ({len(report.divergences)} divergence(s), tools {report.tools})"]
     for d in report.divergences:
-        lines += [f"  {d.describe()}", f"    recorded: {json.dumps(d.recorded)}", f"    now:      {json.dumps(d.now)}"]
+        lines += [f"  {d.describe()}", f"    recorded: {json.dumps(d.recorded)}",
+                  f"    now:      {json.dumps(d.now)}"]
     return "\n".join(lines)
 
 

@@ -63,7 +63,8 @@ def cassettes(client, worker, model_server, store, tmp_path_factory) -> dict[str
         ], tools=["guarded_append"]),
         "steer": make(model_server, [tools(call("add", {"a": 1, "b": 2}), delay=1.0), {"content": "ok"}],
                       tools=["add"]),
-        "error": make(model_server, [tools(call("add", {"a": 1, "b": 1})), {"status": 401, "error": "bad key"}],
+        "error": make(model_server, [tools(call("add", {"a": 1, "b": 1})),
+                                     {"status": 401, "error": "bad key"}],
                       tools=["add"], model_params={"max_retries": 0}),
     }  # fmt: skip
     handles = {kind: client.submit(data) for kind, data in specs.items()}
@@ -85,8 +86,10 @@ def same_run(report, result) -> None:
     new = report.result
     assert (new.status, new.exit, new.iterations, new.tokens_used, new.content, new.error_type) == (
         result.status, result.exit, result.iterations, result.tokens_used, result.content, result.error_type)
-    assert [(r.call_id, r.tool_name, r.inputs, r.success, r.output, r.error) for r in new.tool_calls] == [
-        (r.call_id, r.tool_name, r.inputs, r.success, r.output, r.error) for r in result.tool_calls]  # fmt: skip
+    def calls(run):
+        return [(r.call_id, r.tool_name, r.inputs, r.success, r.output, r.error) for r in run.tool_calls]
+
+    assert calls(new) == calls(result)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -100,7 +103,8 @@ def test_what_the_recorded_runs_did(cassettes, store):
     """The recordings hold what each kind of run is about (else `same` would prove little)."""
     calls = cassettes["calls"][0]
     assert [r.success for r in calls.tool_calls] == [True, False, False, False]
-    assert [r.error.split(":")[0] for r in calls.tool_calls[1:]] == ["RuntimeError", "ValidationError", "UnknownTool"]
+    errors = [r.error.split(":")[0] for r in calls.tool_calls[1:]]
+    assert errors == ["RuntimeError", "ValidationError", "UnknownTool"]
     text = load(cassettes["text"][1])
     assert "<tool_call>" in text.turns[1]["reply"]["content"]  # the reply as received, not as stored
     compacted = load(cassettes["compaction"][1])
@@ -165,7 +169,8 @@ def test_a_schema_that_refuses_the_recorded_arguments_is_found(cassettes, monkey
     stricter = create_model("add_args", a=(int, ...), b=(int, ...), c=(int, ...))
     monkeypatch.setitem(REGISTRY, "add", dataclasses.replace(REGISTRY["add"], arguments=stricter))
     [first] = replay(path).divergences
-    assert (first.iteration, first.what, first.recorded["arguments"]) == (1, "tool_arguments", {"a": 2, "b": 3})
+    assert (first.iteration, first.what) == (1, "tool_arguments")
+    assert first.recorded["arguments"] == {"a": 2, "b": 3}
     assert "c: Field required" in first.now["error"]
 
 
@@ -189,7 +194,7 @@ def test_a_changed_steering_file_is_found(client, worker, spec, store, tmp_path,
 def test_a_changed_prompt_is_found_and_the_cli_says_so(cassettes, tmp_path):
     from orchestrator.cli import app
 
-    result, path = cassettes["calls"]
+    _, path = cassettes["calls"]
     recorded_spec = load(path).spec
     report = replay(path, spec={**recorded_spec, "prompt": "do another task"})
     [first] = report.divergences
@@ -211,7 +216,7 @@ def test_a_changed_prompt_is_found_and_the_cli_says_so(cassettes, tmp_path):
 
 
 def test_a_different_exit_is_found(cassettes):
-    result, path = cassettes["calls"]
+    _, path = cassettes["calls"]
     spec = {**load(path).spec, "max_iterations": 2}  # not part of any request
     report = replay(path, spec=spec)
     [first] = report.divergences
@@ -225,9 +230,10 @@ def test_a_cassette_holds_no_secret(client, worker, spec, store, model_server, t
     text = f"token={LEAKED['github']}"
     steps = [tools(call("leaky"), call("fingerprint", {"text": text})),
              {"content": f"Done. The key was {LEAKED['api_key']}, aws {LEAKED['aws']}."}]  # fmt: skip
+    params = {"api_key": "sk-own-secret-key-1234", "extra_headers": {"X-Api-Key": "hdr-secret-2"}}
+    bindings = {"db": f"postgres://app:{LEAKED['password']}@db/app"}
     data = spec(steps, tools=["leaky", "fingerprint"], prompt=f"use password={LEAKED['password']}",
-                model_params={"api_key": "sk-own-secret-key-1234", "extra_headers": {"X-Api-Key": "hdr-secret-2"}},
-                context={"resource_bindings": {"db": f"postgres://app:{LEAKED['password']}@db/app"}})  # fmt: skip
+                model_params=params, context={"resource_bindings": bindings})
     handle = client.submit(data)
     assert handle.wait(timeout=60).status == Status.completed
     path = save(store, handle.run_id, tmp_path, "secrets")
@@ -259,7 +265,8 @@ def test_only_an_ended_run_is_recorded(client, worker, spec, store, holds, tmp_p
     assert replay(tmp_path / "x.jsonl").same
 
 
-def test_a_forks_cassette_replays_from_where_it_was_forked(client, worker, spec, store, model_server, tmp_path):
+def test_a_forks_cassette_replays_from_where_it_was_forked(client, worker, spec, store, model_server,
+                                                           tmp_path):  # fmt: skip
     steps = [tools(call("add", {"a": 1, "b": 2})), tools(call("add", {"a": 3, "b": 4})), {"content": "7"}]
     parent = client.submit(spec(steps, tools=["add"]))
     parent.wait(timeout=60)

@@ -73,10 +73,12 @@ def load(path: str | Path) -> Cassette:
             line = json.loads(raw)
             kind = line["type"]
         except (ValueError, KeyError, TypeError):
-            raise CassetteError(f"{path}:{number}: not a cassette line (one JSON object with a `type`)") from None
+            why = "not a cassette line (one JSON object with a `type`)"
+            raise CassetteError(f"{path}:{number}: {why}") from None
         if kind == "header":
             if line.get("format") != FORMAT:
-                raise CassetteError(f"{path}: cassette format {line.get('format')!r}; this tooloop reads {FORMAT}")
+                why = f"cassette format {line.get('format')!r}; this tooloop reads {FORMAT}"
+                raise CassetteError(f"{path}: {why}")
             cassette = Cassette(line)
         elif cassette is None:
             raise CassetteError(f"{path}:{number}: a cassette starts with its header")

@@ -95,7 +95,8 @@ def _tools(store: RunStore, run: Parent) -> list[dict[str, Any]]:
         return run.journal.tool_sets[digest]
     spec = json.loads(run.state["spec"])
     catalog = store.catalog()
-    return [{"type": "function", "function": {k: catalog[n][k] for k in ("name", "description", "parameters")}}
+    fields = ("name", "description", "parameters")
+    return [{"type": "function", "function": {k: catalog[n][k] for k in fields}}
             for n in spec.get("tools") or [] if n in catalog]  # fmt: skip
 
 
@@ -103,7 +104,8 @@ def _replies(history: list[dict[str, Any]], first: int, last_reply: int) -> dict
     """Turn -> the index of its reply in the whole history (each turn keeps one reply; the
     last is turn ``last_reply``'s)."""
     indexes = [i for i, m in enumerate(history) if m.get("role") == "assistant"]
-    return {n: indexes[n - last_reply - 1] for n in range(first, last_reply + 1) if last_reply - n < len(indexes)}
+    return {n: indexes[n - last_reply - 1] for n in range(first, last_reply + 1)
+            if last_reply - n < len(indexes)}  # fmt: skip
 
 
 def _turn(run: Parent, n: int, history: list[dict[str, Any]], reply_at: int | None,
@@ -128,14 +130,12 @@ def _tool_message(history: list[dict[str, Any]], reply_at: int | None, index: in
     """What the model read of call ``index``: the index-th tool message after its reply."""
     if reply_at is None:
         return None
-    seen = 0
-    for message in history[reply_at + 1 :]:
+    for seen, message in enumerate(history[reply_at + 1 :]):
         if message.get("role") != "tool":
             break
         if seen == index:
             content = message.get("content")
             return content if isinstance(content, str) else json.dumps(content)
-        seen += 1
     return None
 
 

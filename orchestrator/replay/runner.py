@@ -166,7 +166,8 @@ class Session:
             self._compare_exit()
 
     def _spec(self, given: RunSpec | dict[str, Any] | None) -> RunSpec:
-        data = given.model_dump(mode="json") if isinstance(given, RunSpec) else dict(given or self.cassette.spec)
+        recorded = self.cassette.spec
+        data = given.model_dump(mode="json") if isinstance(given, RunSpec) else dict(given or recorded)
         data["model"] = data.get("model") or self.cassette.spec.get("model")
         data["model_params"] = replay_params(data.get("model_params") or {}, self.model.api_base)
         supervisor = data.get("supervisor")
@@ -202,7 +203,8 @@ class Session:
         docs = load_docs(self.spec.steering_files, self.spec.skills, agents_root(self.settings.agents_dir))
         if docs.errors:
             raise ReplayError("; ".join(docs.errors))
-        gen = self.store.create(self.run_id, self.spec, initial_messages(self.spec, docs.steering, docs.skills))
+        messages = initial_messages(self.spec, docs.steering, docs.skills)
+        gen = self.store.create(self.run_id, self.spec, messages)
         enqueue_turn(self.run_id, 1, gen)
 
     def _turn(self, iteration: int, gen: int) -> None:
@@ -225,7 +227,8 @@ class Session:
         if now and line.get("request"):
             parted = journal.first_difference(line["request"], now, new_only=bool(self.divergences))
             if parted is not None:
-                self._diverge(Divergence(iteration=iteration, what="request", recorded=parted[0], now=parted[1]))
+                self._diverge(Divergence(iteration=iteration, what="request", recorded=parted[0],
+                                         now=parted[1]))  # fmt: skip
 
     def _call(self, message: dict[str, Any], gen: int) -> None:
         from orchestrator.replay.tools import ReplayToolCall
@@ -251,8 +254,8 @@ class Session:
             key = (self.store.redis.hget(ids, waiting["call_id"]) or b"").decode()
             decided = (self.cassette.calls.get(key) or {}).get("approval")
             if decided is None:
-                self._diverge(Divergence(iteration=int(waiting["iteration"]), what="approval",
-                                         recorded=None, now={"call": key, "tool": waiting.get("tool")}))  # fmt: skip
+                asked = {"call": key, "tool": waiting.get("tool")}
+                self._diverge(Divergence(iteration=int(waiting["iteration"]), what="approval", now=asked))
                 decided = {"decision": "approved", "reason": ""}
             client.decide(self.run_id, waiting["call_id"], decided["decision"] == "approved",
                           decided.get("reason") or "", by="replay")  # fmt: skip
@@ -279,7 +282,9 @@ class Session:
     def _compare_exit(self) -> None:
         result = self.store.result(self.run_id)
         recorded = self.cassette.result
-        if result is not None and (result.exit, result.status.value) != (recorded.get("exit"), recorded.get("status")):
+        if result is None:
+            return
+        if (result.exit, result.status.value) != (recorded.get("exit"), recorded.get("status")):
             self.divergences.append(Divergence(
                 iteration=result.iterations, what="exit",
                 recorded={"exit": recorded.get("exit"), "status": recorded.get("status"),
@@ -310,7 +315,7 @@ def _keyed(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _import_worker() -> None:
     import orchestrator.replay.tools  # noqa: F401  (worker.tool_task, worker.app)
-    import worker.supervision  # noqa: F401
+    import worker.supervision
     import worker.turn  # noqa: F401
 
 

@@ -83,6 +83,6 @@ def body(reply: dict[str, Any], model: str) -> dict[str, Any]:
         "model": reply.get("served") or reply.get("model") or model,
         "choices": [{"index": 0, "message": message,
                      "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
-        "usage": {"prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"]),
-                  "total_tokens": total},
+        "usage": {"prompt_tokens": int(usage["prompt_tokens"]),
+                  "completion_tokens": int(usage["completion_tokens"]), "total_tokens": total},
     }  # fmt: skip

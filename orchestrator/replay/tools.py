@@ -75,14 +75,16 @@ class ReplayToolCall(ToolCall):
         except ValidationError as exc:
             if error.startswith(REFUSED):
                 return raw, False
-            return raw, self._diverge("tool_arguments", {**call, "arguments": raw}, {**call, "error": _brief(exc)})
+            refused = {**call, "error": _brief(exc)}
+            return raw, self._diverge("tool_arguments", {**call, "arguments": raw}, refused)
 
     def _recorded(self, line: dict[str, Any]) -> CallOutcome:
         """The recorded result; its output rebuilt from what the model read when the record's
         own copy was cut to the record's bound."""
         record = line["record"]
         if not record.get("success"):
-            return CallOutcome(False, error=record.get("error") or "", duration_ms=record.get("duration_ms") or 0.0)
+            return CallOutcome(False, error=record.get("error") or "",
+                               duration_ms=record.get("duration_ms") or 0.0)  # fmt: skip
         output, read = record.get("output"), line.get("message")
         if isinstance(read, str) and protect.model_text(output) != read:
             output = read if isinstance(output, str) else _json_or_text(read)
@@ -102,7 +104,8 @@ class ReplayToolCall(ToolCall):
                           {"call": self.p["key"], "tool": self.p["tool"], **now})  # fmt: skip
 
     def _diverge(self, what: str, recorded: Any, now: Any) -> bool:
-        self.session.note(Divergence(iteration=int(self.p["iteration"]), what=what, recorded=recorded, now=now))
+        found = Divergence(iteration=int(self.p["iteration"]), what=what, recorded=recorded, now=now)
+        self.session.note(found)
         return True
 
 
