@@ -166,6 +166,7 @@ class Forked(_Known):
     type: Literal["forked"] = "forked"
     parent: str
     iteration: int
+    by: str | None = None  # who forked it (cli:..., api:<tenant>, console:<tenant>)
     model: str | None = None  # set when the fork runs another model than its parent
     prompt_appended: bool = False  # an instruction was appended to the history
 

@@ -7,7 +7,7 @@ import json
 import re
 from datetime import UTC, datetime
 
-from orchestrator import Status, approvals, scripts
+from orchestrator import Status, approvals, fork, scripts
 from orchestrator import events as ev
 from orchestrator.views import event_line
 from tests.helpers import gate
@@ -41,14 +41,21 @@ SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "approval": ({"iteration": "1", "call_id": "c1", "tool": "deploy", "decision": "pending",
                   "arguments": '{"a": 1}', "deadline": TS},
                  {"iteration": 1, "decision": "pending", "arguments": '{"a": 1}', "deadline": WHEN}),
+    "forked": ({"parent": "r1", "iteration": "3", "by": "cli:me", "prompt_appended": "1",
+                "model": "openai/x"},
+               {"parent": "r1", "iteration": 3, "by": "cli:me", "prompt_appended": True,
+                "model": "openai/x"}),
+    "fork_warning": ({"iteration": "3", "calls": "2", "tools": "add,append_line"},
+                     {"iteration": 3, "calls": 2, "tools": "add,append_line"}),
     "outcome": ({"iteration": "2", "exit": "default", "status": "completed"},
                 {"iteration": 2, "exit": "default", "status": Status.completed}),
 }  # fmt: skip
 
 
 def written_kinds() -> set[str]:
-    """Every event type the Lua scripts write (``event('<type>', ...)``; approvals have one)."""
-    lua = "\n".join(v for v in vars(scripts).values() if isinstance(v, str))
+    """Every event type the Lua scripts write (``event('<type>', ...)``; approvals have one;
+    a fork's script writes its own)."""
+    lua = "\n".join(v for v in [*vars(scripts).values(), fork.WRITE] if isinstance(v, str))
     kinds = set(re.findall(r"\bevent\('([a-z_]+)'", lua))
     assert "'type', 'approval'" in approvals._COMMON
     return kinds | {"approval"}

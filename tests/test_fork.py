@@ -257,3 +257,73 @@ def test_a_fork_before_a_compaction_gets_the_history_compaction_took_out(client,
     assert fork.wait(timeout=120).content == "counted to 7"
     # its first request: the whole history turn `at` had, put back from the journal
     assert model_server.turn_requests(model)[len(asked)]["messages"] == asked[at - 1]
+
+
+# -- without a worker: the journal's pieces, and the fork's script against CREATE --------------------
+def test_history_at_puts_back_what_compaction_took_out():
+    from orchestrator import journal
+
+    system, task = {"role": "system", "content": "s"}, {"role": "user", "content": "t"}
+    full = [system, task]
+    for i in range(1, 6):
+        full += [{"role": "assistant", "content": f"a{i}"}, {"role": "tool", "content": f"r{i}"}]
+    # turn 4 compacted messages 2..5 (turns 1-2) into a summary, then turns 4 and 5 replied
+    summary = {"role": "user", "content": "[Summary] turns 1-2"}
+    now = [system, task, summary, *full[6:]]
+    c = journal.Compaction(iteration=4, k=1, head=2, inserted=1, removed=full[2:6])
+    kept = journal.Journal(compactions=[c])
+    assert journal.undo(now, [c]) == full
+    assert journal.history_at(now, kept, 2, last_reply=5) == full[:4]  # counted back from turn 5's reply
+    assert journal.history_at(now, kept, 4, last_reply=5) == full[:8]  # turn 4's compaction put back
+    assert journal.history_at(now, kept, 5, last_reply=5) == now[:7]  # compacted before turn 5 began
+    assert journal.history_at(now, kept, 6, last_reply=5) == now  # after the last: all of it
+    kept.turns[2] = {"start": 3}  # the entry's own word wins: where turn 2 began
+    assert journal.history_at(now, kept, 2, last_reply=5) == full[:3]
+    with pytest.raises(LookupError):
+        journal.history_at(now, journal.Journal(), 2, last_reply=5)  # without the journal: gone
+
+
+def test_request_digests_name_the_first_new_message_that_differs():
+    from orchestrator import journal
+
+    def request(calls_id: str, result: str, folder: str) -> dict:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "t"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": calls_id, "function": {"name": "where", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": calls_id, "content": result},
+                    {"role": "tool", "tool_call_id": calls_id,
+                     "content": f"{folder}/run-1/x at 2024-01-02T03:04:05Z"}]
+        return journal.request_info("openai/m", messages, "run-1")  # fmt: skip
+
+    recorded = request("call_a", "5", "/tmp/root-a")
+    assert journal.first_difference(recorded, request("call_b", "5", "/srv/root-b")) is None  # ids, folders
+    assert [item["i"] for item in recorded["tail"]] == [2, 3, 4]  # since the last reply
+    parted = journal.first_difference(recorded, request("call_a", "6", "/tmp/root-a"))
+    assert parted == ({"message": 3, "role": "tool", "text": "5"},
+                      {"message": 3, "role": "tool", "text": "6"})  # fmt: skip
+    moved = {**recorded, "model": "openai/other"}
+    assert journal.first_difference(recorded, moved) == ({"model": "openai/m"}, {"model": "openai/other"})
+    earlier = {**recorded, "digest": "x"}  # differs only before the new messages
+    assert journal.first_difference(recorded, earlier)[0]["messages"] == 5
+    assert journal.first_difference(recorded, earlier, new_only=True) is None
+    steers = [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
+              {"role": "system", "content": "Guidance from your operator. It ...:\nbe brief\nreally"},
+              {"role": "user", "content": "[supervisor] wrap up"}]  # fmt: skip
+    assert journal.operator_steers(steers) == ["be brief\nreally"]
+
+
+def test_a_fork_is_written_with_every_field_a_created_run_has(store):
+    from orchestrator import RunSpec, fork
+    from orchestrator.models import ForkedFrom
+
+    spec = RunSpec(prompt="p", model="openai/m")
+    store.create("fork-fields-created", spec, [{"role": "user", "content": "p"}])
+    history = [{"role": "user", "content": "p"}]
+    plan = fork.Plan(spec, history, 3, ForkedFrom(run_id="x", iteration=3), 60, 0.5)
+    assert fork.write(store, "fork-fields-forked", plan)
+    assert not fork.write(store, "fork-fields-forked", plan)  # an id is written once
+    created = store.state("fork-fields-created")
+    forked = store.state("fork-fields-forked")
+    assert set(created) <= set(forked)
+    assert (forked["iteration"], forked["tokens_used"], float(forked["cost_usd"])) == ("2", "60", 0.5)
+    assert store.result("fork-fields-forked").forked_from == ForkedFrom(run_id="x", iteration=3)
