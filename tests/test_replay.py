@@ -281,3 +281,15 @@ def test_a_forks_cassette_replays_from_where_it_was_forked(client, worker, spec,
     report = replay(path)
     same_run(report, result)
     assert report.result.forked_from == result.forked_from
+
+
+def test_the_example_cassettes_replay_the_same():
+    """examples/cassettes: what users copy, kept honest (tooloop's built-in tools, live too)."""
+    from examples.test_cassettes import CASSETTES
+
+    assert {p.stem for p in CASSETTES} == {"notes", "review"}
+    for path in CASSETTES:
+        for tools_mode in ("recorded", "live"):
+            report = replay(path, tools=tools_mode)
+            assert report.same, (path.stem, tools_mode, report.divergences)
+    assert replay(CASSETTES[1]).result.exit == "approved"
