@@ -56,7 +56,7 @@ return 1
 def normalise(text: str, run_id: str = "") -> str:
     """What is expected to differ between a run and its replay: the run's folder and id,
     times, uuids."""
-    if run_id:
+    if run_id and run_id in text:
         text = re.sub(r"(?:/[^\s\"'/\\]+)*/" + re.escape(run_id) + r"\b", "<run_dir>", text)
         text = text.replace(run_id, "<run_id>")
     return _UUID.sub("<uuid>", _ISO_TIME.sub("<time>", text))
@@ -94,36 +94,38 @@ def preview(message: dict[str, Any], run_id: str = "") -> str:
 
 
 def request_info(model: str, messages: list[dict[str, Any]], run_id: str = "") -> dict[str, Any]:
-    """A request's digest: the model's name, the number of messages, a digest of them all,
-    and each message since the last reply (the ones a turn adds) with a digest and a
-    preview, so a replay can name the first one that differs."""
-    digests = [_digest(canonical(m, run_id)) for m in messages]
+    """A request's digest: the model's name, the number of messages, and each message since
+    the last reply (the ones a turn adds; turn 1's are the system prompt and the task) with
+    a digest and a preview. Every message of a history is in one turn's tail (compaction's
+    summary aside, which a replay serves from the cassette), so comparing tails turn by turn
+    compares the whole conversation, at a cost per turn of what the turn added."""
     replies = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     start = replies[-1] if replies else 0
-    tail = [{"i": i, "role": messages[i].get("role"), "digest": digests[i],
+    tail = [{"i": i, "role": messages[i].get("role"), "digest": _digest(canonical(messages[i], run_id)),
              "text": preview(messages[i], run_id)} for i in range(start, len(messages))]  # fmt: skip
-    return {"model": model, "n": len(messages), "digest": _digest("\n".join(digests), 32), "tail": tail}
+    whole = _digest(json.dumps([model, len(messages), [item["digest"] for item in tail]]), 32)
+    return {"model": model, "n": len(messages), "digest": whole, "tail": tail}
 
 
 def first_difference(recorded: dict[str, Any], now: dict[str, Any],
                      new_only: bool = False) -> tuple[Any, Any] | None:  # fmt: skip
-    """Where two requests' digests part: (recorded, now) as shown in a report, or None.
-    ``new_only``: only among the messages since the last reply (an earlier difference was
-    found at an earlier turn already)."""
-    if recorded.get("model") != now.get("model") and not new_only:
-        return {"model": recorded.get("model")}, {"model": now.get("model")}
+    """Where two requests part: (recorded, now) as shown in a report, or None. The model's
+    name, then each message since the last reply, then the number of messages.
+    ``new_only``: only the messages since the last reply (an earlier difference was found
+    at an earlier turn already, and every later request carries it)."""
     if recorded.get("digest") == now.get("digest"):
         return None
+    if recorded.get("model") != now.get("model") and not new_only:
+        return {"model": recorded.get("model")}, {"model": now.get("model")}
     old = {item["i"]: item for item in recorded.get("tail") or []}
     new = {item["i"]: item for item in now.get("tail") or []}
     for i in sorted(set(old) | set(new)):
         a, b = old.get(i), new.get(i)
         if a is None or b is None or a["digest"] != b["digest"]:
             return _shown(i, a), _shown(i, b)
-    if new_only:
+    if new_only or recorded.get("n") == now.get("n"):
         return None
-    return ({"messages": recorded.get("n"), "digest": recorded.get("digest")},
-            {"messages": now.get("n"), "digest": now.get("digest")})  # fmt: skip
+    return {"messages": recorded.get("n")}, {"messages": now.get("n")}
 
 
 def _shown(index: int, item: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -301,11 +301,12 @@ def test_request_digests_name_the_first_new_message_that_differs():
     parted = journal.first_difference(recorded, request("call_a", "6", "/tmp/root-a"))
     assert parted == ({"message": 3, "role": "tool", "text": "5"},
                       {"message": 3, "role": "tool", "text": "6"})  # fmt: skip
-    moved = {**recorded, "model": "openai/other"}
+    moved = {**recorded, "model": "openai/other", "digest": "y"}
     assert journal.first_difference(recorded, moved) == ({"model": "openai/m"}, {"model": "openai/other"})
-    earlier = {**recorded, "digest": "x"}  # differs only before the new messages
-    assert journal.first_difference(recorded, earlier)[0]["messages"] == 5
-    assert journal.first_difference(recorded, earlier, new_only=True) is None
+    assert journal.first_difference(recorded, {**recorded, "digest": "x"}) is None  # the same messages
+    longer = {**recorded, "n": 6, "digest": "x"}
+    assert journal.first_difference(recorded, longer) == ({"messages": 5}, {"messages": 6})
+    assert journal.first_difference(recorded, longer, new_only=True) is None
     steers = [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
               {"role": "system", "content": "Guidance from your operator. It ...:\nbe brief\nreally"},
               {"role": "user", "content": "[supervisor] wrap up"}]  # fmt: skip
