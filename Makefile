@@ -45,6 +45,7 @@ bench: install
 	$(PY) bench/fork_cpu.py
 	$(PY) bench/llm_call_cpu.py
 	$(PY) bench/worker_rss.py
+	$(PY) bench/replay.py
 
 chaos: install
 	$(PY) bench/chaos.py

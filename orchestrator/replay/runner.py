@@ -111,6 +111,8 @@ class Session:
         self.stopped = False
         self.steered: set[int] = set()
         self.run_id = str(cassette.header.get("run_id") or "replay")
+        offered = cassette.header.get("tools") or []
+        self.recorded_tools = {str((t.get("function") or {}).get("name")) for t in offered}
         self._stack = ExitStack()
 
     def __enter__(self) -> Session:

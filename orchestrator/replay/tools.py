@@ -51,6 +51,8 @@ class ReplayToolCall(ToolCall):
         line = self.session.cassette.calls.get(self.p["key"])
         record = (line or {}).get("record") or {}
         inputs, parted = self._check(record)
+        if self._served_elsewhere() and line is not None:  # an MCP server's: no host here
+            return self._recorded(line), inputs
         if self.session.live or line is None:
             outcome, inputs = super().execute()
             if line is not None and not parted:
@@ -67,7 +69,7 @@ class ReplayToolCall(ToolCall):
         if self.http is not None or (self.tool is not None and self.tool.remote is not None):
             return raw, False
         if self.tool is None:
-            if error.startswith(NEVER_FOUND):
+            if error.startswith(NEVER_FOUND) or self._served_elsewhere():
                 return raw, False
             return raw, self._diverge("tool_missing", {**call, "exists": True}, {**call, "exists": False})
         try:
@@ -77,6 +79,14 @@ class ReplayToolCall(ToolCall):
                 return raw, False
             refused = {**call, "error": _brief(exc)}
             return raw, self._diverge("tool_arguments", {**call, "arguments": raw}, refused)
+
+    def _served_elsewhere(self) -> bool:
+        """An MCP server's tool (``<server>__<tool>``, offered when the run was recorded): a
+        replay starts no MCP host, so its results come from the cassette, live or not."""
+        name = str(self.p.get("tool") or "")
+        if self.tool is not None and self.tool.remote is not None:
+            return True
+        return self.tool is None and "__" in name and name in self.session.recorded_tools
 
     def _recorded(self, line: dict[str, Any]) -> CallOutcome:
         """The recorded result; its output rebuilt from what the model read when the record's
