@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def save(store, run_id: str, folder: Path, name: str) -> Path:
     return path
 
 
-KINDS = ("calls", "text", "compaction", "approval", "steer", "error")
+KINDS = ("calls", "text", "compaction", "approval", "steer", "error", "aborted")
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +62,22 @@ def cassettes(client, worker, model_server, store, tmp_path_factory) -> dict[str
                   call("guarded_append", {"text": "drop tables"}, call_id="g2")),
             {"content": "done"},
         ], tools=["guarded_append"]),
-        "steer": make(model_server, [tools(call("add", {"a": 1, "b": 2}), delay=1.0), {"content": "ok"}],
-                      tools=["add"]),
+        "steer": make(model_server, [tools(call("add", {"a": 1, "b": 2}), hold=(asked := threading.Event())),
+                                     {"content": "ok"}], tools=["add"]),
         "error": make(model_server, [tools(call("add", {"a": 1, "b": 1})),
                                      {"status": 401, "error": "bad key"}],
                       tools=["add"], model_params={"max_retries": 0}),
+        "aborted": make(model_server, [tools(call("add", {"a": 1, "b": 1})),
+                                       {"content": "never", "hold": (held := threading.Event())}],
+                        tools=["add"]),
     }  # fmt: skip
     handles = {kind: client.submit(data) for kind, data in specs.items()}
+    wait_for(lambda: len(model_server.calls(specs["aborted"]["model"])) == 2, timeout=60)
+    assert handles["aborted"].abort(reason="enough") == "ok"
+    held.set()  # the scripted model answers; the reply is discarded
     wait_for(lambda: model_server.calls(specs["steer"]["model"]), timeout=60)
     assert handles["steer"].steer("Prefer small numbers.") == "ok"
+    asked.set()  # turn 1's reply, once the steer waits for turn 2
     waiting = handles["approval"]
     wait_for(lambda: len(waiting.pending_approvals()) == 2, timeout=60)
     assert waiting.approve("g1") == "ok" and waiting.deny("g2", reason="not on a Friday") == "ok"
@@ -84,8 +92,10 @@ def cassettes(client, worker, model_server, store, tmp_path_factory) -> dict[str
 def same_run(report, result) -> None:
     assert report.same, report.divergences
     new = report.result
-    assert (new.status, new.exit, new.iterations, new.tokens_used, new.content, new.error_type) == (
-        result.status, result.exit, result.iterations, result.tokens_used, result.content, result.error_type)
+    assert (new.status, new.exit, new.iterations, new.content, new.error_type) == (
+        result.status, result.exit, result.iterations, result.content, result.error_type)
+    if result.exit != "aborted":  # an aborted run's discarded reply was billed; no cassette holds it
+        assert new.tokens_used == result.tokens_used
     def calls(run):
         return [(r.call_id, r.tool_name, r.inputs, r.success, r.output, r.error) for r in run.tool_calls]
 

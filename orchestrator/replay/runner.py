@@ -213,6 +213,12 @@ class Session:
         from worker.turn import run_turn
 
         line = self.cassette.turns.get(iteration) or {}
+        recorded = self.cassette.result
+        past = iteration > int(recorded.get("iterations") or 0)
+        if not line and recorded.get("exit") == "aborted" and past:
+            # the recording was aborted (by a person, or a pause past pause_max_s) before this turn
+            self.store.abort(self.run_id, by="replay", reason="aborted where the recorded run was")
+            return
         if iteration not in self.steered:  # the operator's steers this turn drained, sent again
             self.steered.add(iteration)
             for text in line.get("steers") or []:
@@ -251,6 +257,8 @@ class Session:
         if status == Status.paused:
             client.resume(self.run_id, by="replay")
             return bool(self.dispatcher.sent)
+        if self._recover():
+            return True
         ids = self.store.keys.call_ids(self.run_id)
         for waiting in pending(self.store, self.run_id):
             key = (self.store.redis.hget(ids, waiting["call_id"]) or b"").decode()
@@ -261,6 +269,20 @@ class Session:
                 decided = {"decision": "approved", "reason": ""}
             client.decide(self.run_id, waiting["call_id"], decided["decision"] == "approved",
                           decided.get("reason") or "", by="replay")  # fmt: skip
+        return bool(self.dispatcher.sent)
+
+    def _recover(self) -> bool:
+        """What the sweeper would send again: a step that failed an attempt (a turn or a call
+        that raised in the worker's own code) is due at once."""
+        from worker.app import send
+
+        found = self.store.recover(self.run_id)
+        for dispatch in found.sends:
+            send(dispatch)
+        for dispatch in found.checks:  # never taken, and our queue is empty: gone, sent again
+            again = self.store.resend(dispatch)
+            if again is not None:
+                send(again)
         return bool(self.dispatcher.sent)
 
     # -- divergences -------------------------------------------------------------------------------
