@@ -341,8 +341,9 @@ def replay_command(
     tools: Annotated[str, typer.Option("--tools", help="recorded: results from the cassette; live: run "
                                        "the tools (in a sandbox folder of the replay's own)")] = "recorded",
     keep_going: Annotated[bool, typer.Option("--continue", help="go on past the first divergence")] = False,
-    spec: Annotated[Path | None, typer.Option("--spec", help="run this spec instead of the recorded one "
-                                                             "(the model stays the cassette's)")] = None,
+    spec: Annotated[Path | None, typer.Option(
+        "--spec", help="run this spec instead of the recorded one (its endpoint and keys: the replay's own)",
+    )] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a recorded run's loop again, offline: exit 0 when it does the same, 1 where it parts."""

@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from orchestrator import journal
 from orchestrator.bounds import STEER_MAX_CHARS, TooLong, refuse_long
 from orchestrator.keys import parse_call_key, run_id_error, shard_of
@@ -255,7 +257,10 @@ def _fork_spec(parent: Parent, model: str | None, client: Client) -> RunSpec:
     and the model given, checked as at submit."""
     from orchestrator.validation import check_model_params
 
-    spec = RunSpec.model_validate_json(parent.state["spec"])
+    try:
+        spec = RunSpec.model_validate_json(parent.state["spec"])
+    except ValidationError as exc:
+        raise ForkError(f"run {parent.run_id}'s stored spec does not parse: {exc}") from None
     update: dict[str, Any] = {"context": spec.context.model_copy(update={"sandbox_root": None})}
     if model is not None:
         if not model.strip():

@@ -54,7 +54,8 @@ class ReplayError(ValueError):
 def replay(path: str | Path, tools: str = "recorded", keep_going: bool = False,
            spec: RunSpec | dict[str, Any] | None = None) -> ReplayReport:  # fmt: skip
     """Run the cassette at ``path`` again; ``spec``: a spec to run instead of the recorded one
-    (the model and its endpoint stay the cassette's)."""
+    (its endpoint and credentials are replaced by the replay's own, as the recorded one's are;
+    another model than the recorded one is a divergence of the first request)."""
     if tools not in ("recorded", "live"):
         raise ValueError(f"tools: {tools!r} is not 'recorded' or 'live'")
     try:
