@@ -222,7 +222,7 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
         assert set(touched) <= set(declared), f"{name} touches undeclared keys {set(touched) - set(declared)}"
         seen.add(name)
     wanted = {"CREATE", "CLAIM_TURN", "RECORD_REPLY", "START_CALL", "RECORD_CALL", "PAUSE", "RESUME",
-              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE"}  # fmt: skip
+              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "STAGE"}  # fmt: skip
     assert wanted <= seen, f"not exercised: {wanted - seen} (seen: {sorted(seen)})"
     sent = monitor.client_commands(cluster.ports)
     allowed = set(ACL_COMMANDS) | set(CLUSTER_ACL_COMMANDS)
@@ -230,13 +230,14 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
 
 
 def script_sources() -> dict[str, str]:
-    from orchestrator import approvals, scripts, telemetry
+    from orchestrator import approvals, fork, journal, scripts, telemetry
     from worker import ratelimit
 
     sources = {name: scripts.PRELUDE + getattr(scripts, name) for name in scripts.RUN_SCRIPTS}
     return sources | {"DUE": scripts.DUE, "QUEUED": scripts.QUEUED, "PARK": approvals.PARK,
                       "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
-                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE}  # fmt: skip
+                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE, "STAGE": journal.STAGE,
+                      "FORK_READ": fork.READ, "FORK_WRITE": fork.WRITE}  # fmt: skip
 
 
 def test_scripts_name_keys_only_through_KEYS():
