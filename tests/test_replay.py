@@ -303,3 +303,20 @@ def test_the_example_cassettes_replay_the_same():
             report = replay(path, tools=tools_mode)
             assert report.same, (path.stem, tools_mode, report.divergences)
     assert replay(CASSETTES[1]).result.exit == "approved"
+
+
+def test_a_run_without_its_journal_is_still_recorded_and_forked(client, worker, spec, store, tmp_path):
+    """A run from before the journal (or whose worker died between a reply and its entry): its
+    replies come from the history, its tokens before a turn from its events."""
+    steps = [tools(call("add", {"a": 2, "b": 3})), tools(call("add", {"a": 5, "b": 5})), {"content": "ten"}]
+    handle = client.submit(spec(steps, tools=["add"]))
+    result = handle.wait(timeout=60)
+    store.redis.delete(store.keys.journal(handle.run_id))
+    path = save(store, handle.run_id, tmp_path, "unjournaled")
+    cassette = load(path)
+    assert [cassette.turns[n]["request"] for n in (1, 2, 3)] == [None, None, None]
+    assert cassette.turns[3]["reply"]["content"] == "ten"
+    same_run(replay(path), result)
+    fork = handle.fork(at=3)
+    forked = fork.wait(timeout=60)
+    assert (forked.content, forked.tokens_used) == ("ten", result.tokens_used)
