@@ -78,7 +78,12 @@ def stop_with_parent() -> None:
 
 
 class WorkerProcess:
-    """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot)."""
+    """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot).
+
+    With ``fork_server`` set (the test suite sets one per process), workers are forked from
+    that preloaded interpreter when their environment allows (orchestrator/forkserver.py)."""
+
+    fork_server: Any = None  # an orchestrator.forkserver.ForkServer
 
     def __init__(self, name: str, *args: str, env: dict[str, str] | None = None,
                  log: Path | None = None, cwd: str | None = None,
@@ -86,10 +91,17 @@ class WorkerProcess:
         """``wrap``: a launcher the worker's command line is given to (a sandbox, another user)."""
         self.name = name
         self.log = log or Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+        command = ["-m", "orchestrator.cli", "worker", "-n", name, *args]
+        full_env = {**os.environ, **(env or {})}
+        server = WorkerProcess.fork_server
+        if server is not None and server.serves(full_env, wrap):
+            self.log.write_text("")
+            forked_env = {**full_env, "TOOLOOP_POOL_START": "fork-all"}  # worker/pools.py
+            self.proc: Any = server.spawn(command, forked_env, cwd, self.log)
+            return
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [*(wrap or []), sys.executable, "-m", "orchestrator.cli", "worker", "-n", name, *args],
-                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                [*(wrap or []), sys.executable, *command], env=full_env, cwd=cwd, start_new_session=True,
                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
             )  # fmt: skip
 

@@ -138,6 +138,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TOOLOOP_TEST_MODEL_PORT"] = str(free_port())
     os.environ["TOOLOOP_ALLOWED_API_BASES"] = f"http://127.0.0.1:{os.environ['TOOLOOP_TEST_MODEL_PORT']}/v1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # Workers are forked from an interpreter that imported their libraries once (~1-2 s of CPU
+    # per worker instead of ~7): orchestrator/forkserver.py. Started now, with this clean
+    # environment; a worker whose environment differs in more than TOOLOOP_* and provider keys
+    # (or that runs wrapped, as another user, in another sandbox) starts as a fresh interpreter.
+    controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if os.environ.get("TOOLOOP_TEST_FORK_SERVER", "1") != "0" and not controller:  # xdist's starts none
+        from orchestrator.forkserver import ForkServer
+
+        WorkerProcess.fork_server = ForkServer()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -176,6 +185,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_unconfigure(config: pytest.Config) -> None:
     for stack in _STACKS.values():
         stack.close()
+    if WorkerProcess.fork_server is not None:
+        WorkerProcess.fork_server.stop()
     _Vhost.stop()  # also when only the amqp_url fixture made it (no amqp stack)
     import redis
 
@@ -403,10 +414,22 @@ def drop_queues(url: str, keys) -> None:
                     channel.close()
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def deployment(stack) -> Iterator:
+def deployment(stack, request: pytest.FixtureRequest) -> Iterator:
     """Factory: ``deployment(**env)`` -> a Deployment with no workers yet (for tests that
-    starve, kill or count workers without disturbing the shared one), on the test's stack."""
+    starve, kill or count workers without disturbing the shared one), on the test's stack.
+    When the test fails, its workers' last log lines are printed (the report shows them)."""
     made: list[Deployment] = []
 
     def make(**env: str) -> Deployment:
@@ -415,8 +438,11 @@ def deployment(stack) -> Iterator:
         return d
 
     yield make
+    failed = request.node.stash.get(CALL_FAILED, False)
     for d in made:
         d.stop()
+        for proc in d.workers if failed else []:
+            print(f"--- worker {proc.name} (last lines of {proc.log}) ---\n{proc.tail(6000)}")
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ def pool_pids(name: str, role: str) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"celery" in b" ".join(argv) and wanted in argv:
+            titled = argv[0].startswith(b"[celeryd: " + wanted + b":Main")  # Celery's title (setproctitle)
+            if titled or (b"celery" in b" ".join(argv) and wanted in argv):  # or as started
                 pids.append(int(entry.name))
     return pids
 
@@ -56,7 +57,9 @@ def start_pair(d, in_flight: int):
 def assert_completed_once(results: list, turns: int) -> None:
     """Every run completed, each turn's reply recorded and billed once."""
     assert [r.status for r in results] == [Status.completed] * len(results)
-    assert all(r.iterations == turns and r.tokens_used == TOKENS_PER_REPLY * turns for r in results)
+    odd = [(r.run_id, r.iterations, r.tokens_used) for r in results
+           if r.iterations != turns or r.tokens_used != TOKENS_PER_REPLY * turns]  # fmt: skip
+    assert not odd, odd
     assert all(len(r.tool_calls) == turns - 1 and all(c.success for c in r.tool_calls) for r in results)
 
 

@@ -169,16 +169,16 @@ def test_rate_limit_shared_by_two_worker_processes(deployment, spec, model_serve
     d = deployment(TOOLOOP_RATE_LIMITS=json.dumps(limits))
     first, second = d.start_worker("-c", "4"), d.start_worker("-c", "4")
     s = spec([{"content": "ok"}])
-    handles = [d.client.submit(s) for _ in range(6)]
+    handles = [d.client.submit(s) for _ in range(8)]
     results = [h.wait(timeout=120) for h in handles]
     assert all(r.status == Status.completed for r in results)
-    # Capacity is granted 2 s apart though two processes ask for it (unlimited, the six
-    # requests arrive within ~0.2 s). The way from grant to provider varied by up to ~1.1 s
-    # on a machine loaded 10x its cores, so at the provider: the six span 10 s and any three
-    # 4 s, less 1.5 s.
+    # Capacity is granted 2 s apart though two processes ask for it: the eight requests
+    # (sent within ~0.2 s without a limit) span 14 s of grants; with a bucket per process
+    # they would span 6 s. At the provider each arrives some time after its grant: on a
+    # machine loaded 7x its cores that time varied by 2.6 s between requests, so the span
+    # seen there is asserted with 4 s to spare.
     stamps = sorted(r["_received"] for r in model_server.calls(s["model"]))
-    assert len(stamps) == 6 and stamps[-1] - stamps[0] >= 8.5, stamps
-    assert min(later - first for first, later in zip(stamps, stamps[2:], strict=False)) >= 2.5, stamps
+    assert len(stamps) == 8 and stamps[-1] - stamps[0] >= 10, stamps
     # turns that had to wait went back to the queue with a countdown (no slot held)
     events = [e for h in handles for e in d.store.read_events(h.run_id, "0")]
     deferred = [e for e in events if e.type == "rate_limited"]

@@ -249,13 +249,15 @@ def test_a_stalled_redis_never_holds_the_event_loop():
     try:
         worst_lag, took = aio.run(asyncio.wait_for(scenario(), 60))
         # bounded: past PENDING_MAX waiting (and the batch being written) a piece is dropped
-        started = time.monotonic()
-        sent = [text_writer.send("r2", 1, "x") for _ in range(PENDING_MAX + BATCH_MAX + 50)]
-        queued_s = time.monotonic() - started
+        sent, queued_s = [], 0.0  # the longest single send: one waiting on Redis would take its 1 s timeout
+        for _ in range(PENDING_MAX + BATCH_MAX + 50):
+            started = time.monotonic()
+            sent.append(text_writer.send("r2", 1, "x"))
+            queued_s = max(queued_s, time.monotonic() - started)
     finally:
         text_writer.close()
         hole.close()
-    print(f"worst loop lag {worst_lag:.3f}s, reply streamed in {took:.2f}s, queued in {queued_s:.3f}s")
+    print(f"worst loop lag {worst_lag:.3f}s, reply streamed in {took:.2f}s, longest send {queued_s:.3f}s")
     assert worst_lag < 0.5, worst_lag  # a socket timeout (1 s) per piece before
     assert took < 3 * DRAIN_S + 3, took  # the end of the reply waits for its text a bounded while
-    assert sent.count(None) >= 50 and text_writer.dropped >= 50 and queued_s < 1.0, queued_s
+    assert sent.count(None) >= 50 and text_writer.dropped >= 50 and queued_s < 0.5, queued_s

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.keys import Keys
+from worker import pools
 
 TURN_CONCURRENCY = 1024  # model calls in flight per `tooloop worker`, over all turn processes
 TURN_THREADS = 8  # per turn process: each claims and prepares turns, then hands them to the loop
@@ -98,14 +99,21 @@ SHUTDOWN_GRACE_S = 25.0  # SIGTERM -> warm shutdown; steps unfinished after 10 s
 class PoolKeeper:
     """Keeps one Celery worker per plan alive; gives up loudly on a crash loop."""
 
-    def __init__(self, plans: list[PoolPlan], name: str, loglevel: str, env: dict[str, str]) -> None:
+    def __init__(self, plans: list[PoolPlan], name: str, loglevel: str, env: dict[str, str],
+                 folder: str | None = None) -> None:  # fmt: skip
         self.plans, self.name, self.loglevel, self.env = plans, name, loglevel, env
-        self.children = [self._spawn(p) for p in plans]
+        self.folder = folder or os.getcwd()
+        # The tools pool first: forked before litellm is preloaded for the turn pools (worker/pools.py).
+        order = sorted(range(len(plans)), key=lambda i: plans[i].role != "tools")
+        started = {i: self._spawn(plans[i], preload=True) for i in order}
+        self.children: list[pools.Pool] = [started[i] for i in range(len(plans))]
         self.restarts: list[float] = []
         self.stopping = False
 
-    def _spawn(self, plan: PoolPlan) -> subprocess.Popen:
-        return subprocess.Popen(plan.command(self.name, self.loglevel), env=self.env)
+    def _spawn(self, plan: PoolPlan, preload: bool = False) -> pools.Pool:
+        if preload and pools.forking():
+            pools.preload(plan.role)
+        return pools.start(plan.role, plan.command(self.name, self.loglevel), self.env, self.folder)
 
     def forward(self, signum: int, _frame: object = None) -> None:
         self.stopping = True
