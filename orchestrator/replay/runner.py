@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -62,9 +63,14 @@ def replay(path: str | Path, tools: str = "recorded", keep_going: bool = False,
         cassette = load(path)
     except CassetteError as exc:
         raise ReplayError(str(exc)) from None
-    with Session(cassette, tools == "live", keep_going) as session:
+    with _ONE_AT_A_TIME, Session(cassette, tools == "live", keep_going) as session:
         session.run(spec)
         return session.report(str(path), tools)
+
+
+# A replay stands in for this process's Celery app while it runs (``sending_to``): two at once
+# in one process would take each other's messages.
+_ONE_AT_A_TIME = threading.Lock()
 
 
 class Dispatcher:
@@ -349,4 +355,7 @@ def _load_tools(settings: Settings) -> None:
     from worker import builtins  # noqa: F401
     from worker.registry import load_tools
 
-    load_tools(settings.tool_modules)
+    try:
+        load_tools(settings.tool_modules)
+    except Exception as exc:  # (an ImportError, or a tool module's own failure)
+        raise ReplayError(f"TOOLOOP_TOOLS: {type(exc).__name__}: {exc}") from None
