@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/llm_call_cpu.py
 	$(PY) bench/worker_rss.py
 	$(PY) bench/children.py
+	$(PY) bench/replay.py
 
 chaos: install
 	$(PY) bench/chaos.py

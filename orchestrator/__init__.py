@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orchestrator.client import Client, RunHandle, load_spec
+    from orchestrator.fork import ForkError
     from orchestrator.models import Exit, RunResult, RunSpec, Status, ToolCallRecord
     from orchestrator.validation import SpecError
 
@@ -25,11 +26,13 @@ _WHERE = {
     "Status": "orchestrator.models",
     "ToolCallRecord": "orchestrator.models",
     "SpecError": "orchestrator.validation",
+    "ForkError": "orchestrator.fork",
 }
 
 __all__ = [
     "Client",
     "Exit",
+    "ForkError",
     "RunHandle",
     "RunResult",
     "RunSpec",

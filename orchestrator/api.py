@@ -35,7 +35,7 @@ from orchestrator.client import Client
 from orchestrator.connections import connect_async
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
-from orchestrator.models import RunResult, Status
+from orchestrator.models import ForkedFrom, RunResult, Status
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tokens import match_token as _match_token
 from orchestrator.tokens import token_digest
@@ -71,6 +71,18 @@ class Submitted(BaseModel):
     run_id: str
     status: Status = Field(description="queued, right after submit")
     warnings: list[str] = Field(default_factory=list, description="from validation (a missing steering file)")
+
+
+class ForkBody(BaseModel):
+    at: int = Field(description="the turn the fork starts at: 1 .. the run's turns + 1")
+    prompt_append: str | None = Field(default=None, description="an instruction ending the fork's history")
+    model: str | None = Field(default=None, description="the model the fork runs on (default: the parent's)")
+
+
+class ForkReply(BaseModel):
+    run_id: str
+    status: Status = Field(description="queued, right after the fork")
+    forked_from: ForkedFrom
 
 
 class Problem(BaseModel):
@@ -343,6 +355,30 @@ def steer(run_id: OwnedRun, tenant: Tenant, api: Api, body: SteerBody) -> Contro
     with _bounded():
         verdict = api.client.store.steer(run_id, body.message, by=f"api:{tenant}")
     return _reply(api, run_id, "steer", verdict)
+
+
+@router.post(
+    "/runs/{run_id}/fork",
+    status_code=201,
+    responses={**NO_RUN, **bad_request("a turn the run cannot be forked at, or a blank prompt_append"),
+               422: {"model": ValidationProblem, "description": "the model given is refused"}},
+)  # fmt: skip
+def fork(run_id: OwnedRun, tenant: Tenant, api: Api, body: ForkBody) -> ForkReply:
+    """A new run whose history is this run's as it stood when turn `at` began; nothing
+    before `at` runs again, and the run itself goes on untouched."""
+    from orchestrator.fork import ForkError, fork_run
+
+    try:
+        handle = fork_run(api.client, run_id, body.at, body.prompt_append, body.model, tenant,
+                          by=f"api:{tenant}")  # fmt: skip
+    except ForkError as exc:
+        if exc.kind == "not_found":
+            raise HTTPException(404, f"no run {run_id!r}") from None
+        if exc.kind == "spec_refused":
+            raise HTTPException(422, _problems(str(exc).split("; "))) from None
+        raise HTTPException(400, str(exc)) from None
+    return ForkReply(run_id=handle.run_id, status=Status.queued,
+                     forked_from=ForkedFrom(run_id=run_id, iteration=body.at))  # fmt: skip
 
 
 class DenyBody(BaseModel):

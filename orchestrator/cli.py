@@ -295,6 +295,100 @@ def tools_command(as_json: JsonOpt = False) -> None:
     print("(http tools are declared per run, in specs: `http_tools`)", file=sys.stderr)
 
 
+@app.command()
+def fork(
+    run_id: RunArg,
+    at: Annotated[int, typer.Option("--at", help="the turn the fork starts at (1..turns+1)")],
+    prompt_append: Annotated[str | None, typer.Option(
+        "--prompt-append", help="an instruction that ends the fork's history (a user message)")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="the model the fork runs on")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A new run with RUN's history as it stood when turn N began; nothing before N runs again."""
+    from orchestrator.fork import ForkError
+
+    try:
+        handle = _client().fork(run_id, at, prompt_append, model, by=_who())
+    except ForkError as exc:
+        _fail(str(exc), 2, exc.kind)
+    if as_json:
+        _print_json({"run_id": handle.run_id, "status": handle.status().value,
+                     "forked_from": {"run_id": run_id, "iteration": at}})  # fmt: skip
+    else:
+        print(handle.run_id)
+
+
+@app.command("record")
+def record_command(
+    run_id: RunArg,
+    output: Annotated[str, typer.Option("-o", "--output", help="the cassette file to write ('-': stdout)")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Write an ended run's cassette (JSON lines): replay it offline with `tooloop replay`."""
+    from orchestrator.replay.cassette import dumps
+    from orchestrator.replay.record import RecordError, record
+
+    try:
+        cassette = record(_client().store, run_id)
+    except RecordError as exc:
+        _fail(str(exc), 2, exc.kind)
+    text = dumps(cassette)
+    if output == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        Path(output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _fail(f"{output}: {exc}", 2, "usage")
+    summary = {"path": output, "run_id": run_id, "turns": len(cassette.turns), "calls": len(cassette.calls)}
+    if as_json:
+        _print_json(summary)
+    else:
+        print(output)
+        _err(f"recorded run {run_id}: {summary['turns']} turn(s), {summary['calls']} call(s)")
+
+
+@app.command("replay")
+def replay_command(
+    cassette: Annotated[Path, typer.Argument(help="a cassette written by `tooloop record`")],
+    tools: Annotated[str, typer.Option("--tools", help="recorded: results from the cassette; live: run "
+                                       "the tools (in a sandbox folder of the replay's own)")] = "recorded",
+    keep_going: Annotated[bool, typer.Option("--continue", help="go on past the first divergence")] = False,
+    spec: Annotated[Path | None, typer.Option(
+        "--spec", help="run this spec instead of the recorded one (its endpoint and keys: the replay's own)",
+    )] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a recorded run's loop again, offline: exit 0 when it does the same, 1 where it parts."""
+    from orchestrator.client import load_spec
+    from orchestrator.testing import ReplayError, replay
+    from orchestrator.validation import SpecError
+
+    if tools not in ("recorded", "live"):
+        raise typer.BadParameter(f"{tools!r}: recorded or live", param_hint="'--tools'")
+    try:
+        given = load_spec(spec) if spec is not None else None
+        report = replay(cassette, tools=tools, keep_going=keep_going, spec=given)
+    except (ReplayError, SpecError) as exc:
+        _fail(str(exc), 2, "cassette_refused")
+    if as_json:
+        _print_json(report.model_dump(mode="json"))
+    else:
+        print(_replay_summary(report))
+    raise typer.Exit(0 if report.same else 1)
+
+
+def _replay_summary(report: Any) -> str:
+    turns = report.result.iterations if report.result else 0
+    if report.same:
+        return f"same: {report.cassette} replayed ({turns} turn(s), tools {report.tools})"
+    lines = [f"diverged: {report.cassette} ({len(report.divergences)} divergence(s), tools {report.tools})"]
+    for d in report.divergences:
+        lines += [f"  {d.describe()}", f"    recorded: {json.dumps(d.recorded)}",
+                  f"    now:      {json.dumps(d.now)}"]
+    return "\n".join(lines)
+
+
 # -- control --------------------------------------------------------------------
 def _control(verdict: str, run_id: str, action: str) -> None:
     if verdict == "missing":

@@ -80,6 +80,15 @@ class Client:
                 self.resume(child, f"{by} (parent {run_id})")
         return "ok" if kind in ("turn", "calls", "none") else kind
 
+    def fork(self, run_id: str, at: int, prompt_append: str | None = None, model: str | None = None,
+             by: str = "operator") -> RunHandle:  # fmt: skip
+        """A new run whose history is ``run_id``'s as it stood when turn ``at`` began, its
+        first turn ``at`` (orchestrator/fork.py). ``ForkError`` when refused (another
+        tenant's run, for a producer bound to a tenant, is not found)."""
+        from orchestrator.fork import fork_run
+
+        return fork_run(self, run_id, at, prompt_append, model, self.settings.tenant or None, by)
+
     def decide(self, run_id: str, call_id: str, approved: bool, reason: str = "",
                by: str = "operator") -> str:  # fmt: skip
         """Approve or deny a call waiting for a person: 'ok', or 'already' (decided before),
@@ -160,6 +169,13 @@ class RunHandle:
 
     def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
         return self._store.abort(self.run_id, by, reason)
+
+    def fork(self, at: int, prompt_append: str | None = None, model: str | None = None,
+             by: str = "operator") -> RunHandle:  # fmt: skip
+        """A new run with this run's history as it stood when turn ``at`` began: nothing
+        before ``at`` runs again; ``prompt_append`` ends its history with that instruction,
+        ``model`` runs it on another model. The parent is untouched."""
+        return self.client.fork(self.run_id, at, prompt_append, model, by)
 
 
 def _left(deadline: float | None) -> float | None:

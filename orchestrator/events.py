@@ -169,6 +169,29 @@ class Child(_Known):
     child: str  # the child run's id
 
 
+class Forked(_Known):
+    """The run is a fork: its history up to turn ``iteration`` is ``parent``'s, its first
+    turn is ``iteration`` (orchestrator/fork.py)."""
+
+    type: Literal["forked"] = "forked"
+    parent: str
+    iteration: int
+    by: str | None = None  # who forked it (cli:..., api:<tenant>, console:<tenant>)
+    model: str | None = None  # set when the fork runs another model than its parent
+    prompt_appended: bool = False  # an instruction was appended to the history
+
+
+class ForkWarning(_Known):
+    """Calls before the fork's first turn were not idempotent: their effects happened for
+    the parent (its sandbox folder, the world outside), and the fork neither repeats nor
+    undoes them; its own sandbox folder starts empty."""
+
+    type: Literal["fork_warning"] = "fork_warning"
+    iteration: int
+    calls: int  # calls before ``iteration`` whose tools are not idempotent
+    tools: str  # their tools' names, comma-separated
+
+
 class Outcome(_Known):
     """The run ended; always its last event."""
 
@@ -180,7 +203,7 @@ class Outcome(_Known):
 
 _CLASSES: tuple[type[Event], ...] = (Queued, Iteration, ToolCall, Control, Supervisor, Recovery,
                                      Discarded, Compaction, RateLimited, Text, Approval, Child,
-                                     Outcome)  # fmt: skip
+                                     Forked, ForkWarning, Outcome)  # fmt: skip
 KINDS: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _CLASSES}
 UNKNOWN = "*"
 
@@ -203,6 +226,8 @@ AnyEvent = Annotated[
     | Annotated[Text, Tag("text")]
     | Annotated[Approval, Tag("approval")]
     | Annotated[Child, Tag("child")]
+    | Annotated[Forked, Tag("forked")]
+    | Annotated[ForkWarning, Tag("fork_warning")]
     | Annotated[Outcome, Tag("outcome")]
     | Annotated[Event, Tag(UNKNOWN)],
     Discriminator(_kind),

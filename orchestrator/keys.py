@@ -100,6 +100,12 @@ class Keys:
         so when the reply is recorded: see RECORD_REPLY); approvals are addressed by it."""
         return self._run(run_id, "callids")
 
+    def journal(self, run_id: str) -> str:
+        """Hash: per turn, what replay and fork need and the history does not keep (the
+        request's digest, the reply as received, the tokens before the turn) and what
+        compaction took out of the history (orchestrator/journal.py)."""
+        return self._run(run_id, "journal")
+
     def all_for_run(self, run_id: str) -> list[str]:
         """The run's own keys, in the order scripts.PRELUDE names them."""
         return [
@@ -115,6 +121,7 @@ class Keys:
             self.claims(run_id),
             self.approvals(run_id),  # expires with the run (orchestrator/approvals.py)
             self.call_ids(run_id),
+            self.journal(run_id),  # orchestrator/journal.py
         ]
 
     def script_keys(self, run_id: str) -> list[str]:

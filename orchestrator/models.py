@@ -262,6 +262,11 @@ class ParentRef(BaseModel):
 
     run_id: str
     call_id: str
+class ForkedFrom(BaseModel):
+    """The run a fork was made from, and the turn it was made at (its own first turn)."""
+
+    run_id: str
+    iteration: int
 
 
 class RunResult(BaseModel):
@@ -281,6 +286,7 @@ class RunResult(BaseModel):
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
     parent: ParentRef | None = None  # a child run: the run and call that started it
     children: list[str] = Field(default_factory=list)  # child runs started by this run's calls
+    forked_from: ForkedFrom | None = None  # a fork's parent and turn (orchestrator/fork.py)
 
     @property
     def succeeded(self) -> bool:

@@ -39,9 +39,10 @@ so any reply (recorded, discarded, or of a failed attempt) is counted once.
 PRELUDE = """
 local RUN, MSGS, CALLS, CSTATE, CARGS, TMSGS, STEER, EVENTS, SUP, CLAIMS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
--- KEYS[11]: the approvals hash (orchestrator/approvals.py); KEYS[12]: the run's call ids
-local CALLIDS = KEYS[12]
-local NRUN = 12  -- the run's own keys, expired with it
+-- KEYS[11]: the approvals hash (orchestrator/approvals.py); KEYS[12]: the run's call ids;
+-- KEYS[13]: the run's journal (orchestrator/journal.py)
+local CALLIDS, JOURNAL = KEYS[12], KEYS[13]
+local NRUN = 13  -- the run's own keys, expired with it
 local LEASES, RUNS, EXPIRY = KEYS[NRUN + 1], KEYS[NRUN + 2], KEYS[NRUN + 3]
 local RUN_ID, LEASE, MAXLEN, TTL, CAP =
   ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -324,6 +325,10 @@ local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_owner'
 if not st[1] then return 'missing' end
 local it, owner = tonumber(arg(1)), arg(2)
 local tokens, billed = bill(owner, arg(4))
+-- this attempt's journal entry (orchestrator/journal.py): kept only with its recorded reply
+local staged = 'p' .. arg(1) .. ':' .. owner
+local entry = redis.call('HGET', JOURNAL, staged)
+if entry then redis.call('HDEL', JOURNAL, staged) end
 if ended(st[1]) then return 'discarded' end
 if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' or st[4] ~= owner then
   if billed then
@@ -332,6 +337,7 @@ if tonumber(st[2]) + 1 ~= it or st[3] ~= 'turn' or st[4] ~= owner then
   return 'stale'
 end
 redis.call('RPUSH', MSGS, arg(3))
+if entry then redis.call('HSET', JOURNAL, 't' .. arg(1), entry) end
 redis.call('HSET', RUN, 'iteration', it, 'turn_claimed', 0, 'updated_at', NOW)
 if arg(5) == 'finish' then
   event('iteration', 'iteration', it, 'tool_calls', 0, 'tokens_used', tokens, 'cost_usd', cost_now())
@@ -773,6 +779,12 @@ if tonumber(st[2]) + 1 ~= tonumber(arg(1)) or st[3] ~= 'turn' or st[4] ~= '1' th
 if arg(2) ~= '' and st[5] ~= arg(2) then return 'stale' end
 local all = redis.call('LRANGE', MSGS, 0, -1)
 if #all ~= tonumber(arg(3)) then return 'stale' end
+-- what leaves the history is kept in the journal: a fork before this turn puts it back
+local removed, k = {}, 1
+for i = tonumber(arg(4)) + 1, tonumber(arg(5)) do removed[#removed + 1] = all[i] end
+while redis.call('HEXISTS', JOURNAL, 'c' .. arg(1) .. '.' .. k) == 1 do k = k + 1 end
+redis.call('HSET', JOURNAL, 'c' .. arg(1) .. '.' .. k, cjson.encode({head = tonumber(arg(4)),
+  inserted = #ARGV - 13, removed = removed}))
 redis.call('DEL', MSGS)
 local n = 0
 for i = 1, tonumber(arg(4)) do redis.call('RPUSH', MSGS, all[i]) n = n + 1 end

@@ -712,4 +712,5 @@ def build_result(run_id: str, state: dict[str, str], raw_calls: dict[Any, Any]) 
         tool_calls=[ToolCallRecord.model_validate_json(raw) for _, raw in records],
         parent=json.loads(state["parent"]) if state.get("parent") else None,  # child runs
         children=json.loads(state["children"]) if state.get("children") else [],
+        forked_from=json.loads(state["forked_from"]) if state.get("forked_from") else None,
     )

@@ -95,6 +95,8 @@ SMOKE = frozenset({
     "test_metrics.py::test_a_scrape_after_a_run_shows_the_counters_moved",
     "test_console.py::test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn",
     "test_children.py::test_one_child_then_two_in_parallel_then_a_failing_one",
+    "test_fork.py::test_fork_at_the_first_turn_the_middle_and_after_the_last",
+    "test_replay.py::test_a_changed_tool_output_is_found_live",
 })  # fmt: skip
 
 

@@ -241,7 +241,7 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
         seen.add(name)
     assert tree, "no script reached a run of its tree (a parent's keys from its child's)"
     wanted = {"CREATE", "CLAIM_TURN", "RECORD_REPLY", "START_CALL", "RECORD_CALL", "PAUSE", "RESUME",
-              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "START_CHILD"}  # fmt: skip
+              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "START_CHILD", "STAGE"}  # fmt: skip
     assert wanted <= seen, f"not exercised: {wanted - seen} (seen: {sorted(seen)})"
     sent = monitor.client_commands(cluster.ports)
     allowed = set(ACL_COMMANDS) | set(CLUSTER_ACL_COMMANDS)
@@ -252,13 +252,14 @@ RUN_KEY = re.compile(r"[^{}]+:\{s\d+\}:run:[A-Za-z0-9_-]{1,64}:[a-z]+")  # keys.
 
 
 def script_sources() -> dict[str, str]:
-    from orchestrator import approvals, children, scripts, telemetry
+    from orchestrator import approvals, children, fork, journal, scripts, telemetry
     from worker import ratelimit
 
     sources = {name: scripts.PRELUDE + getattr(scripts, name) for name in scripts.RUN_SCRIPTS}
     return sources | {"DUE": scripts.DUE, "QUEUED": scripts.QUEUED, "PARK": approvals.PARK,
                       "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
-                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE,
+                      "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE, "STAGE": journal.STAGE,
+                      "FORK_READ": fork.READ, "FORK_WRITE": fork.WRITE,
                       "START_CHILD": scripts.PRELUDE + children.START_CHILD}  # fmt: skip
 
 

@@ -370,6 +370,24 @@ def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
 
 
+def test_fork_here_opens_the_forks_page_with_its_warning(acme, spec, client, worker, model_server) -> None:
+    data = spec([tools(call("append_line", {"text": "a"})), tools(call("add", {"a": 1, "b": 2})),
+                 {"content": "done"}], tools=["append_line", "add"], tenant="acme")  # fmt: skip
+    handle = client.submit(data)
+    assert handle.wait(timeout=60).status == "completed"
+    page = acme
+    page.goto(f"/runs/{handle.run_id}")
+    expect(page.get_by_test_id("fork-4")).to_be_visible()  # after the last turn: continue in a fork
+    page.get_by_test_id("fork-2").click()  # the same code as `tooloop fork --at 2`
+    page.wait_for_url(re.compile(r"/runs/(?!" + handle.run_id + r")[0-9a-f]{32}$"))
+    fork_id = page.url.rsplit("/", 1)[1]
+    expect(page.get_by_test_id("forked-from")).to_have_text(handle.run_id)
+    expect(page.locator(".n-fork_warning")).to_contain_text("append_line")
+    expect(status(page)).to_have_text("completed")
+    assert client.get(fork_id).result().forked_from.iteration == 2
+    assert model_server.calls(data["model"])[-1]["messages"][-1]["content"] == "3"  # its own turn 2 ran
+
+
 # -- without a browser: the routes' guarantees ------------------------------------------------------
 def test_every_change_needs_the_csrf_token_and_a_session(console_url, client, spec, worker, holds) -> None:
     handle = client.submit(spec([{"content": "x", "hold": gate(holds)}], tenant="acme"))

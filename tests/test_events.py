@@ -7,7 +7,7 @@ import json
 import re
 from datetime import UTC, datetime
 
-from orchestrator import Status, approvals, children, scripts
+from orchestrator import Status, approvals, children, fork, scripts
 from orchestrator import events as ev
 from orchestrator.views import event_line
 from tests.helpers import gate
@@ -43,14 +43,22 @@ SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
                  {"iteration": 1, "decision": "pending", "arguments": '{"a": 1}', "deadline": WHEN}),
     "child": ({"iteration": "1", "call_id": "c1", "agent": "researcher", "child": "r1-1-0-3"},
               {"iteration": 1, "call_id": "c1", "agent": "researcher", "child": "r1-1-0-3"}),
+    "forked": ({"parent": "r1", "iteration": "3", "by": "cli:me", "prompt_appended": "1",
+                "model": "openai/x"},
+               {"parent": "r1", "iteration": 3, "by": "cli:me", "prompt_appended": True,
+                "model": "openai/x"}),
+    "fork_warning": ({"iteration": "3", "calls": "2", "tools": "add,append_line"},
+                     {"iteration": 3, "calls": 2, "tools": "add,append_line"}),
     "outcome": ({"iteration": "2", "exit": "default", "status": "completed"},
                 {"iteration": 2, "exit": "default", "status": Status.completed}),
 }  # fmt: skip
 
 
 def written_kinds() -> set[str]:
-    """Every event type the Lua scripts write (``event('<type>', ...)``; approvals have one)."""
-    lua = "\n".join(v for v in [*vars(scripts).values(), children.START_CHILD] if isinstance(v, str))
+    """Every event type the Lua scripts write (``event('<type>', ...)``; approvals have one;
+    a child's start and a fork's script write their own)."""
+    scripts_lua = [*vars(scripts).values(), children.START_CHILD, fork.WRITE]
+    lua = "\n".join(v for v in scripts_lua if isinstance(v, str))
     kinds = set(re.findall(r"\bevent\('([a-z_]+)'", lua))
     assert "'type', 'approval'" in approvals._COMMON
     return kinds | {"approval"}

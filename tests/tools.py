@@ -181,3 +181,10 @@ def wait_for_file(name: str, sandbox_root: str, seconds: float = 60) -> str:
             raise TimeoutError(f"{name} never came")
         time.sleep(0.02)
     return name
+
+
+@tool(idempotent=True)
+def read_note(path: str) -> str:
+    """Read a text file (a world-readable one the replay tests change between a run and its replay)."""
+    with open(path) as f:
+        return f.read()

@@ -60,6 +60,7 @@ class Compacted:
     tokens: int
     cost_usd: float
     fallback: bool  # the summary call failed: a cut-down transcript stands in
+    reply: llm.Reply | None = None  # the summary call's reply as received (the run's journal keeps it)
 
 
 def budget(spec: RunSpec) -> int | None:
@@ -138,7 +139,7 @@ async def acompact(
     source = transcript(cut.middle)
     request = [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": source}]
     params = {k: v for k, v in spec.model_params.items() if k != "stream"}
-    text, tokens, cost, fallback = source, 0, 0.0, True
+    text, tokens, cost, fallback, reply = source, 0, 0.0, True, None
     try:
         reply = await llm.acomplete(spec.model, request, None, params, spec.tenant, spec.fallbacks, gate=gate)
         if str(reply.message.get("content") or "").strip():
@@ -150,7 +151,7 @@ async def acompact(
     header = SUMMARY_HEADER.format(n=len(cut.middle))
     summary = {"role": "user", "content": header + cut_text(text.strip(), SUMMARY_MAX_CHARS)}
     new = messages[: cut.head] + cut.kept + [summary] + messages[cut.start :]
-    return Compacted(new, cut, summary, tokens, cost, fallback)
+    return Compacted(new, cut, summary, tokens, cost, fallback, reply)
 
 
 def forced_keep(messages: list[dict[str, Any]]) -> int:

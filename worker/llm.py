@@ -63,6 +63,8 @@ class Reply:
     tokens: int  # usage.total_tokens of this call
     cost_usd: float = 0.0  # priced from litellm's cost map; 0 for a model it does not know
     model: str = ""  # the model that answered: the spec's, or a fallback
+    usage: dict[str, int] | None = None  # the provider's usage counts (prompt, completion, total)
+    served: str = ""  # the model name the provider's response gave (its prices may be looked up by it)
 
 
 class ModelError(Exception):
@@ -209,7 +211,7 @@ async def _with_retries(
             call = _call(model, messages, kwargs, timeout, stream, on_text)
             response = await asyncio.wait_for(call, timeout)
             reply = Reply(assistant_message(response), total_tokens(response), price(model, response, policy),
-                          model)  # fmt: skip
+                          model, usage_of(response), str(getattr(response, "model", "") or ""))  # fmt: skip
             if limits is not None:
                 await limits.settle(model, reply.tokens)
             return reply
@@ -341,6 +343,13 @@ def assistant_message(response: Any) -> dict[str, Any]:
             for call in calls
         ]
     return out
+
+
+def usage_of(response: Any) -> dict[str, int]:
+    """The response's token counts, as the provider gave them (a replay serves them again)."""
+    usage = getattr(response, "usage", None)
+    names = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {name: int(getattr(usage, name, 0) or 0) for name in names}
 
 
 def total_tokens(response: Any) -> int:

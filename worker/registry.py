@@ -137,7 +137,8 @@ def load_tools(modules: list[str]) -> None:
 
 def catalog() -> list[dict[str, Any]]:
     """What a worker publishes: each tool's definition and where it comes from."""
-    return [{**asdict(t.definition), "source": t.source, **({"approval": True} if t.approval else {})}
+    return [{**asdict(t.definition), "source": t.source, **({"approval": True} if t.approval else {}),
+             **({"idempotent": True} if t.idempotent else {})}  # a fork says which calls were not
             for t in REGISTRY.values()]  # fmt: skip
 
 

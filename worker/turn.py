@@ -23,6 +23,7 @@ from typing import Any
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
+from orchestrator import journal
 from orchestrator.bounds import ERROR_MAX_CHARS, REPLY_MAX_CHARS
 from orchestrator.children import tool_schemas as agent_schemas
 from orchestrator.http_tools import declared
@@ -137,6 +138,8 @@ class Turn:
         self.corrections = claim.corrections
         self.unbilled: llm.Reply | None = None  # a reply not recorded yet: billed on failure
         self.tools: list[dict[str, Any]] | None = None  # the spec's tool schemas (prepare)
+        self.notes = journal.TurnNotes.begin(held.run_id, held.iteration, claim.tokens_used, claim.cost_usd,
+                                             claim.messages)  # fmt: skip
 
     def prepare(self) -> bool:
         """On the task's thread: the ``before_turn`` hooks and the tool schemas. False when
@@ -221,6 +224,7 @@ class Turn:
 
     async def call(self, messages: list[dict[str, Any]]) -> llm.Reply:
         self.arm()
+        self.notes.requested(self.spec.model, messages, self.tools)
         return await llm.acomplete(self.spec.model, protect.model_view(messages, self.spec), self.tools,
                                    self.spec.model_params, self.spec.tenant, self.spec.fallbacks,
                                    on_text=self.live_text(),
@@ -254,6 +258,7 @@ class Turn:
                  self.ctx.iteration, reason, len(messages), len(done.messages), verdict)  # fmt: skip
         if verdict != "ok":
             raise Superseded(verdict)
+        self.notes.compacted(reason, done)
         self.ctx.messages = done.messages
         self.ctx.tokens_used += done.tokens
         self.ctx.cost_usd += done.cost_usd
@@ -283,6 +288,7 @@ class Turn:
         """
         run_id, iteration, owner = self.held.run_id, self.held.iteration, self.held.owner
         budget = self.store.settings.lease_s  # a Redis blip: retry within the lease
+        journal.stage(self.store, owner, self.notes, reply)  # kept only with the reply it records
         if isinstance(decision, Finish):
             decision = protect.clean_finish(decision)
             message = self.stored(reply.message, cut=decision.error_type == "ReplyTooLarge")

@@ -1,4 +1,4 @@
-"""The console's controls: pause, resume, steer, abort, approve, deny.
+"""The console's controls: pause, resume, steer, abort, approve, deny, fork.
 
 Each calls what the API and the CLI call (the store's directives, ``Client.resume``,
 ``Client.decide``), recorded ``by`` ``console:<tenant>``, and answers JSON the page shows
@@ -161,6 +161,34 @@ def deny(
         return _too_long(request, run_id, "reason", len(reason), REASON_MAX_CHARS)
     verdict = console.api.client.decide(run_id, call_id, False, reason.strip(), by=_by(viewer))
     return _answer(request, console, run_id, "deny", verdict)
+
+
+@router.post("/runs/{run_id}/fork")
+def fork(
+    request: Request,
+    console: Console,
+    viewer: Viewer,
+    run_id: str,
+    csrf: Csrf = "",
+    at: Annotated[int, Form()] = 0,
+) -> Response:
+    """A fork at turn ``at`` (orchestrator/fork.py, as the API and the CLI): the answer names
+    the new run, whose page the script opens."""
+    from orchestrator.fork import ForkError, fork_run
+
+    if refused := _check(request, console, viewer, run_id, csrf):
+        return refused
+    try:
+        handle = fork_run(console.api.client, run_id, at, tenant=viewer.tenant, by=_by(viewer))
+    except ForkError as exc:
+        code = 404 if exc.kind == "not_found" else 400
+        return _reply(request, run_id, {"ok": False, "message": str(exc)}, code)
+    location = f"/runs/{handle.run_id}"
+    body = {"ok": True, "action": "fork", "result": "ok", "run_id": handle.run_id, "location": location,
+            "message": f"Forked at turn {at}: run {handle.run_id}."}  # fmt: skip
+    if wants_json(request):
+        return finish(request, JSONResponse(body))
+    return finish(request, RedirectResponse(location, status_code=303))
 
 
 def _too_long(request: Request, run_id: str, what: str, size: int, limit: int) -> Response:

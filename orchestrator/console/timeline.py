@@ -112,6 +112,7 @@ class RunView:
     last_event_id: str
     parent: dict[str, Any] | None = None  # child runs: set when the run's state names them
     children: list[str] = field(default_factory=list)
+    forked_from: dict[str, Any] | None = None  # a fork: its parent and the turn it was made at
 
     @property
     def ended(self) -> bool:
@@ -182,6 +183,7 @@ def build(run_id: str, state: dict[str, str], messages: list[dict[str, Any]],
         last_event_id=events[-1]["id"] if events else "0",
         parent=parent if isinstance(parent, dict) else None,
         children=children,
+        forked_from=forked if isinstance(forked := _json(state.get("forked_from")), dict) else None,
     )  # fmt: skip
 
 
@@ -341,6 +343,16 @@ def describe(event: dict[str, Any]) -> Note | None:
         return Note("compaction", f"history compacted: {sizes}", ts)
     if kind == "rate_limited":
         return Note("rate_limited", f"rate limited: waited {event.get('wait_ms')} ms", ts)
+    if kind == "forked":
+        model = f", on {event['model']}" if event.get("model") else ""
+        appended = ", with an appended instruction" if event.get("prompt_appended") else ""
+        return Note("forked", f"forked from {event.get('parent', '?')} at turn {event.get('iteration', '?')}"
+                    f"{model}{appended}{by}", ts)  # fmt: skip
+    if kind == "fork_warning":
+        calls, at, tools = event.get("calls", "?"), event.get("iteration", "?"), event.get("tools", "?")
+        return Note("fork_warning", f"warning: {calls} call(s) before turn {at} were not idempotent "
+                    f"({tools}): they ran for the parent only; this fork's sandbox folder started empty",
+                    ts)  # fmt: skip
     if kind == "discarded":
         return Note("discarded", f"a late reply was discarded ({event.get('tokens')} tokens billed)", ts)
     skip = {"type", "ts", "id", "iteration"}

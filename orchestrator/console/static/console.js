@@ -187,6 +187,7 @@
         out.dataset.ok = String(response.ok);
       }
       if (response.ok && form.dataset.reset) form.reset();
+      if (response.ok && data.location) location.assign(data.location); // a fork: its own page
       form.closest("dialog")?.close();
     } catch (error) {
       if (out) { out.textContent = `Not sent: ${error}`; out.dataset.ok = "false"; }
