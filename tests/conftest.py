@@ -130,7 +130,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TOOLOOP_REDIS_URL"] = url
     os.environ["TOOLOOP_KEY_PREFIX"] = f"test-{uuid.uuid4().hex[:8]}"
     os.environ["TOOLOOP_TOOLS"] = "tests.tools"
-    os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "6")
+    # The shared workers' leases (15 s) outlast the stalls of a loaded box: a test that does not
+    # kill or freeze workers must not see a turn taken over. A deployment (tests that kill,
+    # freeze or starve workers) gets TOOLOOP_RECOVERY_S=6 (leases of 3 s) unless it says.
+    os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "30")
     os.environ["TOOLOOP_SANDBOX_ROOT"] = tempfile.mkdtemp(prefix="tooloop-test-")
     os.environ["TOOLOOP_SANDBOX_ALLOW"] = tempfile.mkdtemp(prefix="tooloop-allow-")  # context.sandbox_root
     os.environ["TOOLOOP_SECRET_KEY"] = "test-secret"
@@ -370,7 +373,7 @@ class Deployment:
         from orchestrator.settings import Settings
         from orchestrator.store import RunStore
 
-        self.prefix, self.env = prefix, {"TOOLOOP_KEY_PREFIX": prefix, **env}
+        self.prefix, self.env = prefix, {"TOOLOOP_KEY_PREFIX": prefix, "TOOLOOP_RECOVERY_S": "6", **env}
         self.settings = Settings(**settings_fields(self.env))
         self.store = RunStore.from_settings(self.settings)
         self.client = Client(settings=self.settings, store=self.store)

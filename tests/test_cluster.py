@@ -342,7 +342,15 @@ def test_cluster_primary_fails_over_mid_run(deployment, spec, cluster):
         assert (result.status, result.content) == (Status.completed, "done"), d.workers[0].tail()
         assert result.tokens_used == 30 * result.iterations  # each reply billed once
         assert len(result.tool_calls) == turns
-        assert sorted(effects(handle.run_id)) == [f"r{i}-t{t}" for t in range(turns)]  # each effect once
+        # Each effect at most once. A write the killed primary acknowledged but had not yet
+        # passed to its replica is lost with it (Redis replicates asynchronously): a call whose
+        # claim was lost so may be recorded as lost, its outcome unknown, without running again.
+        done, records = effects(handle.run_id), {r.iteration: r for r in result.tool_calls}
+        assert len(done) == len(set(done)) and set(done) <= {f"r{i}-t{t}" for t in range(turns)}, done
+        for t in range(turns):
+            record = records[t + 1]
+            assert f"r{i}-t{t}" in done or (not record.success and "WorkerLost" in (record.error or "")), (
+                i, t, done, record)
 
 
 def test_a_forked_call_forgets_the_cluster_clients_password(cluster):
