@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
+import gc
 import importlib
 import json
 import os
@@ -42,6 +42,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from orchestrator.local import stop_with_parent
+
 # Third-party modules that `tooloop worker`, its CLI and its pools import; none of them
 # reads TOOLOOP_* or a provider key at import.
 PRELOAD = (
@@ -50,7 +52,6 @@ PRELOAD = (
     "celery.worker.strategy", "celery.concurrency.prefork", "celery.concurrency.thread", "litellm",
     "litellm.litellm_core_utils.litellm_logging", "setproctitle",
 )  # fmt: skip
-PR_SET_PDEATHSIG = 1
 
 
 def _forwardable(name: str) -> bool:
@@ -69,7 +70,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.forkserver", str(theirs.fileno()), str(self.folder)],
-            pass_fds=[theirs.fileno()], env=self.env, preexec_fn=_die_with_parent,
+            pass_fds=[theirs.fileno()], env=self.env, preexec_fn=stop_with_parent,
         )  # fmt: skip
         theirs.close()
         self.sock = ours
@@ -102,16 +103,20 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-class ForkedProcess:
-    """A process forked by the server: the part of ``subprocess.Popen`` the suite uses."""
+class Forked:
+    """A forked process as the suite and the launcher use it: the part of
+    ``subprocess.Popen`` they need, over how its exit is learnt (``_exited``)."""
 
-    def __init__(self, pid: int, status: Path, args: list[str]) -> None:
-        self.pid, self.args, self._status = pid, args, status
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args = pid, args
         self.returncode: int | None = None
 
+    def _exited(self) -> int | None:
+        raise NotImplementedError
+
     def poll(self) -> int | None:
-        if self.returncode is None and self._status.exists():
-            self.returncode = int(self._status.read_text())
+        if self.returncode is None:
+            self.returncode = self._exited()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -134,8 +139,15 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+class ForkedProcess(Forked):
+    """A launcher the server forked: the server reaped it and wrote its status to a file."""
+
+    def __init__(self, pid: int, status: Path, args: list[str]) -> None:
+        super().__init__(pid, args)
+        self._status = status
+
+    def _exited(self) -> int | None:
+        return int(self._status.read_text()) if self._status.exists() else None
 
 
 # -- the server side ----------------------------------------------------------------------
@@ -147,6 +159,8 @@ def serve(fd: int, folder: Path) -> None:
     for name in PRELOAD:
         with contextlib.suppress(Exception):  # a missing optional library: the worker says so itself
             importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the workers' collections never walk (and so copy) what was imported here
     signal.signal(signal.SIGCHLD, lambda *_: _reap(folder))
     sock = socket.socket(fileno=fd)
     reader = sock.makefile("r")
@@ -189,7 +203,7 @@ def _fork(request: dict, seq: int, fd: int) -> int:
     try:
         os.close(fd)  # the test process's socket is not the worker's
         os.setsid()
-        _die_with_parent()
+        stop_with_parent()
         _redirect(request["log"])
     except BaseException:
         os._exit(1)

@@ -24,15 +24,16 @@ imported modules' pages.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Protocol
+
+from orchestrator.forkserver import Forked, become
 
 log = logging.getLogger(__name__)
 
@@ -58,34 +59,12 @@ class Pool(Protocol):
     def kill(self) -> None: ...
 
 
-class ForkedPool:
-    """A pool forked from this process: the part of ``subprocess.Popen`` the launcher uses."""
+class ForkedPool(Forked):
+    """A pool forked from this process (its parent: ``waitpid`` tells its exit)."""
 
-    def __init__(self, pid: int, args: list[str]) -> None:
-        self.pid, self.args = pid, args
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-            time.sleep(0.02)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _exited(self) -> int | None:
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if pid else None
 
 
 def mode() -> str:
@@ -106,6 +85,8 @@ def preload(role: str) -> None:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as worker/llm.py sets it
         for name in TURN_MODULES:
             _try_import(name)
+    gc.collect()
+    gc.freeze()  # the pools' collections never walk (and so copy) what was imported here
 
 
 def _try_import(name: str) -> None:
@@ -134,8 +115,6 @@ def start(role: str, command: list[str], env: dict[str, str], folder: str) -> Po
 def fork(celery_args: list[str], env: dict[str, str], folder: str) -> ForkedPool:
     """Run ``celery <celery_args>`` in a child of this process, as ``python -m celery`` run in
     ``folder`` with ``env`` would."""
-    from orchestrator.forkserver import become
-
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
