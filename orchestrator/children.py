@@ -53,10 +53,13 @@ def tool_name(agent: str) -> str:
     return AGENT_TOOL_PREFIX + agent
 
 
-def agent_of(tool: str, spec: RunSpec) -> str | None:
-    """The child agent a tool name calls in this spec, or None."""
+def agent_of(tool: object, spec: RunSpec) -> str | None:
+    """The child agent a tool name calls in this spec, or None (also for a name that is not
+    a string: a model's malformed call is the tool task's to refuse)."""
+    if not isinstance(tool, str) or not tool.startswith(AGENT_TOOL_PREFIX):
+        return None
     name = tool.removeprefix(AGENT_TOOL_PREFIX)
-    return name if tool.startswith(AGENT_TOOL_PREFIX) and name in spec.agents else None
+    return name if name in spec.agents else None
 
 
 def tool_names(spec: RunSpec) -> list[str]:

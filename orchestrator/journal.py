@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.bounds import REPLY_MAX_CHARS, cut_text
+from orchestrator.bounds import ERROR_MAX_CHARS, REPLY_MAX_CHARS, cut_text
 from orchestrator.scrub import scrub_text
 
 if TYPE_CHECKING:
@@ -142,21 +142,27 @@ def operator_steers(messages: list[dict[str, Any]]) -> list[str]:
 
 
 def received(message: dict[str, Any]) -> dict[str, Any]:
-    """A reply as received, scrubbed, cut one character past the size a run keeps (so a
-    reply refused as too large still is when served again)."""
-    limit = REPLY_MAX_CHARS + 1
+    """A reply as received, scrubbed. One too large to keep (the run refused it) is kept as
+    a cut copy and its size (``oversize``): a replay serves it at that size again, and Redis
+    never holds more of it than of any refused reply (``ERROR_MAX_CHARS``)."""
+    calls = message.get("tool_calls") or []
+    size = len(message.get("content") or "") + sum(len((c.get("function") or {}).get("arguments") or "")
+                                                   for c in calls)  # fmt: skip
+    limit = ERROR_MAX_CHARS if size > REPLY_MAX_CHARS else REPLY_MAX_CHARS
     content = message.get("content")
     out: dict[str, Any] = {"content": scrub_text(content[:limit]) if isinstance(content, str) else content}
-    calls = []
-    for call in message.get("tool_calls") or []:
+    kept = []
+    for call in calls:
         fn = call.get("function") or {}
         arguments = fn.get("arguments")
-        calls.append({"id": call.get("id"), "type": call.get("type") or "function",
-                      "function": {"name": fn.get("name"),
-                                   "arguments": scrub_text(arguments[:limit]) if isinstance(arguments, str)
-                                   else arguments}})  # fmt: skip
-    if calls:
-        out["tool_calls"] = calls
+        kept.append({"id": call.get("id"), "type": call.get("type") or "function",
+                     "function": {"name": fn.get("name"),
+                                  "arguments": scrub_text(arguments[:limit]) if isinstance(arguments, str)
+                                  else arguments}})  # fmt: skip
+    if kept:
+        out["tool_calls"] = kept
+    if size > REPLY_MAX_CHARS:
+        out["oversize"] = size
     return out
 
 

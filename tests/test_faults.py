@@ -202,7 +202,9 @@ def test_waiting_turns_keep_one_message_each(deployment, spec, model_server):
 def test_waiting_tool_calls_keep_one_message_each(deployment, spec):
     """The tool pool is out (frozen) for several lease periods while turns keep sweeping:
     at most one message per waiting call; each call runs once when the pool is back."""
-    d = deployment()
+    # leases of 5 s: the pool is out at most 20 s (queueing) + 20 s (watching) < the 50 s after
+    # which a tool no live worker publishes makes its calls fail
+    d = deployment(TOOLOOP_RECOVERY_S="10")
     d.start_worker("-Q", "turns", "-c", "4", roles=("turns",))
     pool = d.start_worker("-Q", "tools", "-c", "2", roles=("tools",))
     s = spec([tools(call("append_line", {"text": "once"}), delay=2.0), {"content": "ok"}],
@@ -211,7 +213,7 @@ def test_waiting_tool_calls_keep_one_message_each(deployment, spec):
     pool.freeze()  # before the model answers: the calls are dispatched to a pool that is out
     wait_for(lambda: queue_length(d.store, d.store.keys.tool_queue) == 5, timeout=20)
     peak = 0
-    for _ in range(24):  # 12 s: four leases
+    for _ in range(40):  # 20 s: four leases
         time.sleep(0.5)
         peak = max(peak, queue_length(d.store, d.store.keys.tool_queue))
     assert peak == 5, f"{peak} messages for 5 waiting calls"
@@ -301,6 +303,24 @@ def test_a_tool_no_live_worker_has_fails_after_a_while(deployment, spec):
     assert result.content == "went on", result
     [record] = result.tool_calls
     assert not record.success and "no live worker" in record.error, record
+
+
+def test_a_call_waits_for_a_tools_worker_that_starts_after_it(deployment, spec):
+    """A tool no worker has published yet (the tools workers start after the turns workers,
+    as a fresh deployment's may) is not "missing for a while" from the start: its call waits
+    a whole unroutable period from when the sweeper first finds it queued. Failed before:
+    the first sweep that found it waiting recorded it `UnknownTool` (never seen = seen at 0)."""
+    d = deployment(TOOLOOP_RECOVERY_S="4")  # leases 2 s, calls "unroutable" after 20 s
+    d.start_worker("-Q", "turns", "-c", "4", roles=("turns",))
+    s = spec([tools(call("write_file", {"path": "late.txt", "content": "x"})), {"content": "done"}],
+             tools=["write_file"])  # fmt: skip
+    handle = d.client.submit(s)
+    wait_for(lambda: d.store.state(handle.run_id).get("phase") == "tools", timeout=30)
+    time.sleep(8)  # four leases: several sweeps find the call waiting in its tool's queue
+    assert d.store.result(handle.run_id).tool_calls == []  # not recorded failed meanwhile
+    d.start_worker("-Q", "tools", "-c", "2", roles=("tools",))
+    [record] = handle.wait(timeout=60).tool_calls
+    assert record.success, record
 
 
 def extra_worker(d, name: str, env: dict[str, str], *args: str):

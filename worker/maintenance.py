@@ -176,6 +176,9 @@ class Sweeper:
         self.store, self.name, self.celery = store, name, celery_app
         self._broker: redis.Redis | None = None
         self._tools_seen: dict[str, float] | None = None
+        # task id -> when a sweep first found that call waiting in its tool's queue (Redis
+        # time, s): a tool no worker ever published counts as missing from then, not forever
+        self._waiting_since: dict[str, float] = {}
         self._outbox: list[Dispatch] = []  # steps to send again, published by _flush
 
     def sweep(self) -> int:
@@ -231,13 +234,16 @@ class Sweeper:
                 by_queue[self.store.keys.turn_queue][turn_task_id(d.run_id, d.iteration, d.gen)] = d
             else:
                 by_queue[call_queue(self.store.keys, d.payload)][call_task_id(d.payload, d.gen)] = d
+        waiting: set[str] = set()
         for queue, wanted in by_queue.items():
             present = self._queued(queue, list(wanted))
             for task_id, d in wanted.items():
                 if task_id in present:
-                    self._guard(d.run_id, self._maybe_unroutable, d, now)
+                    waiting.add(task_id)
+                    self._guard(d.run_id, self._maybe_unroutable, d, now, task_id)
                 else:
                     self._guard(d.run_id, self._resend, d)
+        self._waiting_since = {k: v for k, v in self._waiting_since.items() if k in waiting}
         return self._flush()
 
     def _resend(self, dispatch: Dispatch) -> int:
@@ -249,8 +255,10 @@ class Sweeper:
         self._outbox.append(again)
         return 1
 
-    def _maybe_unroutable(self, dispatch: Dispatch, now: int) -> int:
-        """A queued call of a tool that no live worker has published for unroutable_s."""
+    def _maybe_unroutable(self, dispatch: Dispatch, now: int, task_id: str) -> int:
+        """A queued call of a tool that no live worker has published for unroutable_s (for a
+        tool no worker ever published, counted from when this sweeper first found the call
+        waiting: a tools worker that starts after the call was made is not too late)."""
         from worker.app import call_queue
 
         payload = dispatch.payload
@@ -258,7 +266,9 @@ class Sweeper:
             return 0
         if self._tools_seen is None:
             self._tools_seen = self.store.tools_last_seen()
-        last_seen = self._tools_seen.get(payload["tool"], 0.0)
+        last_seen = self._tools_seen.get(payload["tool"])
+        if not last_seen:
+            last_seen = self._waiting_since.setdefault(task_id, now / 1000)
         if now / 1000 - last_seen < self.store.settings.unroutable_s:
             return 0
         from worker.tool_task import unroutable

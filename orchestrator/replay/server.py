@@ -74,6 +74,10 @@ def body(reply: dict[str, Any], model: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.get("content")}
     if reply.get("tool_calls"):
         message["tool_calls"] = reply["tool_calls"]
+    if reply.get("oversize"):  # a reply the run refused as too large: served at its size again
+        shown = len(message["content"] or "") + sum(len(c["function"].get("arguments") or "")
+                                                   for c in message.get("tool_calls") or [])  # fmt: skip
+        message["content"] = (message["content"] or "") + "z" * max(0, int(reply["oversize"]) - shown)
     usage = dict(reply.get("usage") or {})
     total = int(usage.get("total_tokens") or 0)
     usage.setdefault("prompt_tokens", total - total // 3)
