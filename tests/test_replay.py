@@ -320,3 +320,21 @@ def test_a_run_without_its_journal_is_still_recorded_and_forked(client, worker, 
     fork = handle.fork(at=3)
     forked = fork.wait(timeout=60)
     assert (forked.content, forked.tokens_used) == ("ten", result.tokens_used)
+
+
+def test_a_refused_reply_is_kept_cut_and_served_at_its_size_again():
+    """A reply too large to keep (the run ends ReplyTooLarge) is journaled as a cut copy and
+    its size, never whole; a replay serves it at that size, so the run refuses it again."""
+    from orchestrator.bounds import ERROR_MAX_CHARS, REPLY_MAX_CHARS
+    from orchestrator.journal import received
+    from orchestrator.replay.server import body
+    from worker.protect import oversized, reply_chars
+
+    arguments = '{"a": 1}' + " " * 60_000
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    kept = received({"content": "z" * 5_000_000, "tool_calls": [call]})
+    assert kept["oversize"] == 5_060_008 and len(json.dumps(kept)) < 3 * ERROR_MAX_CHARS
+    served = body(kept, "m")["choices"][0]["message"]
+    assert reply_chars(served) == 5_060_008 and oversized(served).error_type == "ReplyTooLarge"
+    normal = received({"content": "y" * REPLY_MAX_CHARS})  # at the bound: kept whole
+    assert "oversize" not in normal and len(normal["content"]) == REPLY_MAX_CHARS
