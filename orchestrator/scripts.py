@@ -685,7 +685,7 @@ if st[2] == 'turn' and not paused and tonumber(st[4]) <= NOW then
     for _, v in ipairs({'turn', gen, it, 'check'}) do out[#out + 1] = v end
   end
 elseif st[2] == 'tools' then
-  local sent = 0
+  local sent, since = 0, nil  -- since: the earliest lapsed lease of the calls sent again
   local states = redis.call('HGETALL', CSTATE)
   for i = 1, #states, 2 do
     local key, c = states[i], parse(states[i + 1])
@@ -697,6 +697,7 @@ elseif st[2] == 'tools' then
           return {'gave_up'}
         end
         if c.kind == 's' then c.kind = 'x' end
+        if not since or c.deadline < since then since = c.deadline end
         c.gen, what, sent = c.gen + 1, 'send', sent + 1
       end
       c.deadline = NOW + LEASE
@@ -707,7 +708,7 @@ elseif st[2] == 'tools' then
     end
   end
   if sent > 0 then
-    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent)
+    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent, 'lost_since', int(since))
   end
 end
 next_look()
@@ -738,7 +739,7 @@ if not c or c.kind == 'd' or c.kind == 's' or c.gen ~= gen or c.taken >= gen the
 end
 c.gen, c.deadline = c.gen + 1, NOW + LEASE
 put(arg(1), c)
-event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1)
+event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1, 'lost_since', NOW)
 next_look()
 return {'call', c.gen, redis.call('HGET', CARGS, arg(1))}
 """
