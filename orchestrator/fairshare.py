@@ -74,8 +74,11 @@ return 'w'
 # One run's move ('end': it ended; 'park': it gave its slot up; 'resume': it takes it back
 # at once, over its cap if need be: a person's resume is not queued), then the admissions
 # of waiting runs while slots are free: each goes to the tenant with the lowest
-# (tokens over the window + its active runs x the tokens an active run spends) / weight,
-# ties to the run submitted first.
+# (tokens over the window + its active runs x the tokens one of its runs spends over the
+# window) / weight, ties to the run submitted first. The second term is what its runs are
+# about to spend: without it one pump would give every free slot to the tenant lowest at
+# its start; with it, at equilibrium each tenant's tokens follow its weight whatever its
+# runs' sizes.
 # KEYS: runs, active, tenants, the queue of each tenant named in ARGV.
 # ARGV: run id ('' none), how, total cap (-1 none), most to admit, then per tenant: name,
 # weight, cap (-1 none), tokens over the window
@@ -122,7 +125,12 @@ for _, e in ipairs(list) do
   e.n = tonumber(redis.call('HGET', ACTIVE, e.name)) or 0
   spent = spent + e.tokens
 end
+-- the tokens a run of each tenant spends over the window: its own runs' so far, else the
+-- average active run's (at least 1: with no tokens yet, slots split by count and weight)
 local per_run = math.max(1, spent / math.max(1, all))
+for _, e in ipairs(list) do
+  e.rate = (e.tokens > 0 and e.n > 0) and e.tokens / e.n or per_run
+end
 local admitted = {}
 while #admitted < most and (total < 0 or all < total) do
   local best, best_score, best_seq
@@ -130,7 +138,7 @@ while #admitted < most and (total < 0 or all < total) do
     if e.cap < 0 or e.n < e.cap then
       local head = redis.call('ZRANGE', KEYS[e.k], 0, 0, 'WITHSCORES')
       if head[1] then
-        local score, seq = (e.tokens + e.n * per_run) / e.weight, tonumber(head[2])
+        local score, seq = (e.tokens + e.n * e.rate) / e.weight, tonumber(head[2])
         if not best or score < best_score or (score == best_score and seq < best_seq) then
           best, best_score, best_seq = e, score, seq
         end
