@@ -36,7 +36,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,peers]'
 	$(PY) bench/cpu_per_turn.py
 	$(PY) bench/concurrency.py
 	$(PY) bench/overhead.py
@@ -47,6 +47,7 @@ bench: install
 	$(PY) bench/worker_rss.py
 	$(PY) bench/children.py
 	$(PY) bench/replay.py
+	$(PY) bench/peers.py --quick
 
 chaos: install
 	$(PY) bench/chaos.py

@@ -4,9 +4,11 @@ The scripted model runs in another process (its CPU is not counted) and answers 
 six tools declared, a two-message history. In this process, on one event loop, rounds
 interleaved, medians:
 
-  litellm      ``worker.llm.acomplete``: litellm.acompletion with tooloop's settings
-               (its pricing and success logging skipped, see worker/llm.py), the OpenAI
-               SDK, httpx over litellm's aiohttp transport;
+  direct       ``worker.llm.acomplete`` as a turn makes it: litellm's OpenAI provider config
+               builds the request, one shared aiohttp session sends it (worker/openai_route.py);
+  litellm      the same with ``TOOLOOP_MODEL_ROUTE=litellm``: litellm.acompletion with
+               tooloop's settings (its pricing and success logging skipped, see
+               worker/llm.py), the OpenAI SDK, httpx over litellm's aiohttp transport;
   raw aiohttp  the same JSON POST with one aiohttp session, the reply parsed: the floor.
 
     python bench/llm_call_cpu.py [--rounds 5] [--calls 200]
@@ -47,9 +49,17 @@ async def measure(api_base: str, rounds: int, calls: int) -> dict[str, list[floa
     params = {"api_base": api_base, "api_key": "scripted"}
     session = aiohttp.ClientSession()
 
-    async def via_litellm() -> None:
+    async def via_llm() -> None:
         reply = await llm.acomplete("openai/bench", MESSAGES, TOOLS, params, "bench")
         assert reply.message["tool_calls"]
+
+    async def direct() -> None:
+        os.environ["TOOLOOP_MODEL_ROUTE"] = "direct"
+        await via_llm()
+
+    async def via_litellm() -> None:
+        os.environ["TOOLOOP_MODEL_ROUTE"] = "litellm"
+        await via_llm()
 
     async def raw() -> None:
         body = {"model": "bench", "messages": MESSAGES, "tools": TOOLS}
@@ -63,13 +73,14 @@ async def measure(api_base: str, rounds: int, calls: int) -> dict[str, list[floa
         after = os.times()
         return (after.user - before.user + after.system - before.system) / calls * 1000
 
-    samples: dict[str, list[float]] = {"litellm": [], "raw aiohttp": []}
-    for call in (via_litellm, raw):
+    routes = {"direct": direct, "litellm": via_litellm, "raw aiohttp": raw}
+    samples: dict[str, list[float]] = {name: [] for name in routes}
+    for call in routes.values():
         for _ in range(20):  # warm: imports, connection pools, caches
             await call()
     for _ in range(rounds):
-        samples["litellm"].append(await cpu_ms(via_litellm))
-        samples["raw aiohttp"].append(await cpu_ms(raw))
+        for name, call in routes.items():
+            samples[name].append(await cpu_ms(call))
     await session.close()
     return samples
 
@@ -97,7 +108,8 @@ def main() -> None:
         "CPU of this process per call, medians of rounds",
         *(f"{name:<12} {ms:6.2f} ms   rounds: {', '.join(f'{v:.2f}' for v in samples[name])}"
           for name, ms in got.items()),
-        f"litellm / raw: x{got['litellm'] / got['raw aiohttp']:.1f}",
+        f"litellm / raw: x{got['litellm'] / got['raw aiohttp']:.1f}; direct / raw: "
+        f"x{got['direct'] / got['raw aiohttp']:.1f}; direct / litellm: x{got['direct'] / got['litellm']:.2f}",
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
