@@ -324,7 +324,7 @@ if not c then return {'stale'} end
 if c.kind == 'd' then return {'done'} end
 if gen < c.gen then return {'stale'} end
 if st[1] == 'paused' then return {'paused'} end
-local CRUN, CMSGS, CEVENTS, CTENANT = KEYS[NRUN + 4], KEYS[NRUN + 5], KEYS[NRUN + 11], KEYS[2 * NRUN + 4]
+local CRUN, CMSGS, CEVENTS, CTENANT = KEYS[EXTRA], KEYS[EXTRA + 1], KEYS[EXTRA + 7], KEYS[EXTRA + NRUN]
 local verdict = 'created'
 local cst = redis.call('HMGET', CRUN, 'status', 'parent_key', 'ancestors')
 if cst[1] then
@@ -341,6 +341,8 @@ else
     'turn_attempts', 0, 'turn_owner', '', 'turn_error', '', 'turn_deadline', NOW + LEASE,
     'created_at', NOW, 'updated_at', NOW,
     'parent', arg(8), 'parent_key', key, 'ancestors', arg(7), 'agent', arg(9))
+  -- its tokens count into its tenant's share as its parent's do (orchestrator/fairshare.py)
+  if redis.call('HGET', RUN, 'fair') then redis.call('HSET', CRUN, 'fair', 1) end
   for i = 15, #ARGV - 5 do redis.call('RPUSH', CMSGS, arg(i)) end
   redis.call('XADD', CEVENTS, 'MAXLEN', '~', MAXLEN, '*', 'type', 'queued', 'ts', NOW)
   redis.call('ZADD', RUNS, NOW, child)

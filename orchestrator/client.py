@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator import telemetry
+from orchestrator import fairshare, telemetry
 from orchestrator.events import Event
 from orchestrator.keys import run_id_error
 from orchestrator.models import RunResult, RunSpec, Status
@@ -50,9 +50,13 @@ class Client:
         run_id = run_id or uuid.uuid4().hex
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
         traced = {"tooloop.tenant": spec.tenant, "tooloop.model": spec.model}
+        fair = fairshare.of(self.store)
         with telemetry.submit_span(self.store.keys.prefix, run_id, traced):
-            gen = self.store.create(run_id, report.stored_spec, messages)
-            enqueue_turn(run_id, 1, gen, self.celery)
+            gen = self.store.create(run_id, report.stored_spec, messages, fair.mode if fair else "")
+            if fair is not None and fair.policy.gating:  # sent now, or when its tenant's queue admits it
+                fair.submitted(run_id, spec.tenant, self.celery)
+            else:
+                enqueue_turn(run_id, 1, gen, self.celery)
         return RunHandle(self, run_id, warnings=report.warnings)
 
     def get(self, run_id: str) -> RunHandle:
@@ -71,6 +75,8 @@ class Client:
         from worker.maintenance import reenqueue
 
         kind, found = self.store.resume(run_id, by)
+        if kind in ("turn", "calls", "none"):  # it takes its tenant's slot back (fair share)
+            fairshare.moved(self.store, run_id, "resume", self.celery)
         for dispatch in found.sends:
             send(dispatch, self.celery)
         if found.checks:  # the sweeper's check: RESEND only what is gone from its queue

@@ -45,7 +45,19 @@ def diagnose(store: RunStore | None = None) -> dict[str, Any]:
         for name, w in store.live_workers().items()
     }
     report["leases_due"] = store.leases_due()
+    report["tenants"] = tenant_shares(store)
     return report
+
+
+def tenant_shares(store: RunStore) -> list[dict[str, Any]]:
+    """Under fair share, each tenant's active and waiting runs and its token share over the
+    last minute (orchestrator/fairshare.py); [] when fair share is off."""
+    from dataclasses import asdict
+
+    from orchestrator import fairshare
+
+    fair = fairshare.of(store)
+    return [asdict(share) for share in fair.shares()] if fair else []
 
 
 def sandbox_report(store: RunStore) -> dict[str, Any]:
@@ -87,6 +99,11 @@ def render(report: dict[str, Any]) -> None:
                   + ("" if policy_ok else "  [yellow](use noeviction)[/yellow]"))  # fmt: skip
     for queue, depth in report["queues"].items():
         console.print(f"queue {queue}: {depth} waiting")
+    for t in report.get("tenants", []):
+        cap = "" if t["cap"] is None else f" of {t['cap']}"
+        console.print(f"tenant {escape(t['tenant'])}: {t['active']} active{cap}, {t['waiting']} waiting, "
+                      f"weight {t['weight']:g}, {t['tokens_minute']} tokens last minute "
+                      f"({t['share']:.0%})", markup=False, highlight=False)  # fmt: skip
     if not report["workers"]:
         console.print("[yellow]no live workers[/yellow]")
     for name, w in report["workers"].items():

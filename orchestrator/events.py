@@ -105,7 +105,7 @@ class Recovery(_Known):
     step: str  # turn, tool_calls
     iteration: int
     count: int | None = None  # tool_calls: how many calls were sent again
-    lost_since: Time | None = None  # turn: when its lease lapsed
+    lost_since: Time | None = None  # when its lease lapsed (tool_calls: the earliest of theirs)
 
 
 class Discarded(_Known):
@@ -135,6 +135,21 @@ class RateLimited(_Known):
     type: Literal["rate_limited"] = "rate_limited"
     iteration: int
     wait_ms: int
+
+
+class Waiting(_Known):
+    """The run waits in its tenant's queue for a slot (orchestrator/fairshare.py): it holds
+    no worker and no message; its status reason is ``reason`` until it is admitted."""
+
+    type: Literal["waiting"] = "waiting"
+    reason: str  # waiting_share
+
+
+class Admitted(_Known):
+    """The run waited for its tenant's share and now holds a slot: its turn is sent."""
+
+    type: Literal["admitted"] = "admitted"
+    waited_ms: int
 
 
 class Text(_Known):
@@ -202,8 +217,8 @@ class Outcome(_Known):
 
 
 _CLASSES: tuple[type[Event], ...] = (Queued, Iteration, ToolCall, Control, Supervisor, Recovery,
-                                     Discarded, Compaction, RateLimited, Text, Approval, Child,
-                                     Forked, ForkWarning, Outcome)  # fmt: skip
+                                     Discarded, Compaction, RateLimited, Waiting, Admitted, Text,
+                                     Approval, Child, Forked, ForkWarning, Outcome)  # fmt: skip
 KINDS: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _CLASSES}
 UNKNOWN = "*"
 
@@ -223,6 +238,8 @@ AnyEvent = Annotated[
     | Annotated[Discarded, Tag("discarded")]
     | Annotated[Compaction, Tag("compaction")]
     | Annotated[RateLimited, Tag("rate_limited")]
+    | Annotated[Waiting, Tag("waiting")]
+    | Annotated[Admitted, Tag("admitted")]
     | Annotated[Text, Tag("text")]
     | Annotated[Approval, Tag("approval")]
     | Annotated[Child, Tag("child")]

@@ -148,8 +148,14 @@ class Keys:
     def sweep_lock(self, shard: int) -> str:
         return f"{self._tag(shard)}:sweeper"
 
+    def tenant_tokens(self, shard: int) -> str:
+        """Hash ``<tenant>|<10 s bucket>`` -> model tokens its runs in this shard recorded then,
+        and ``<tenant>|total`` -> all of them: written where usage is billed, only for runs
+        under fair share (orchestrator/fairshare.py sums the shards)."""
+        return f"{self._tag(shard)}:tenant_tokens"
+
     def shard_keys(self, shard: int) -> list[str]:
-        return [self.leases(shard), self.runs(shard), self.expiries(shard)]
+        return [self.leases(shard), self.runs(shard), self.expiries(shard), self.tenant_tokens(shard)]
 
     # -- global -------------------------------------------------------------
     def workers(self) -> str:
@@ -160,6 +166,35 @@ class Keys:
         """Hash {level, ts}: one token bucket of the shared rate limits, e.g.
         ``model:openai/gpt-4o:rpm``. One hash tag for all, so one script takes from several."""
         return f"{self.prefix}:{{ratelimit}}:{scope}"
+
+    # -- tenant fair share (orchestrator/fairshare.py): one hash tag, one slot -----------
+    def _fair(self, part: str) -> str:
+        return f"{self.prefix}:{{fair}}:{part}"
+
+    def fair_runs(self) -> str:
+        """Hash run_id -> ``<state>|<tenant>``: a run under fair share that is waiting (``w``),
+        holding a slot (``a``) or parked with its slot given up (``p``)."""
+        return self._fair("runs")
+
+    def fair_active(self) -> str:
+        """Hash tenant -> runs holding a slot."""
+        return self._fair("active")
+
+    def fair_tenants(self) -> str:
+        """Set of the tenants with runs waiting."""
+        return self._fair("tenants")
+
+    def fair_waiting(self, tenant: str) -> str:
+        """Sorted set run_id -> submit sequence: the tenant's runs waiting, in order."""
+        return self._fair(f"waiting:{tenant}")
+
+    def fair_seq(self) -> str:
+        """Counter: the submit sequence of waiting runs."""
+        return self._fair("seq")
+
+    def fair_lock(self) -> str:
+        """The fair-share sweep's lock (one worker at a time looks at the slots)."""
+        return self._fair("sweeper")
 
     # -- Celery -------------------------------------------------------------
     @property

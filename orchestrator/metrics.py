@@ -90,6 +90,7 @@ class FleetCollector:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._redis: Any = None
+        self._store: Any = None  # a RunStore, made when fair share is configured
 
     def describe(self) -> list[Any]:
         return []  # collected on demand only: registering must not touch Redis
@@ -115,6 +116,34 @@ class FleetCollector:
         yield depth
         yield GaugeMetricFamily("tooloop_live_runs", "Runs not ended (queued, running or paused)", value=live)
         yield GaugeMetricFamily("tooloop_paused_runs", "Runs paused", value=paused)
+        yield from self._tenants()
+
+    def _tenants(self) -> Any:
+        """Under fair share (orchestrator/fairshare.py): each tenant's runs holding a slot,
+        its runs waiting, and the tokens its runs recorded; nothing when it is off."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from orchestrator import fairshare
+
+        if fairshare.Policy.from_settings(self.settings) is None:
+            return
+        if self._store is None:
+            from orchestrator.store import RunStore
+
+            self._store = RunStore.from_settings(self.settings)
+        fair = fairshare.of(self._store)
+        assert fair is not None
+        active = GaugeMetricFamily("tooloop_tenant_active", "Runs of the tenant holding a slot",
+                                   labels=["tenant"])  # fmt: skip
+        waiting = GaugeMetricFamily("tooloop_tenant_waiting", "Runs of the tenant waiting for its share",
+                                    labels=["tenant"])  # fmt: skip
+        tokens = CounterMetricFamily("tooloop_tenant_tokens", "Model tokens recorded by the tenant's runs",
+                                     labels=["tenant"])  # fmt: skip
+        for share in fair.shares():
+            active.add_metric([share.tenant], share.active)
+            waiting.add_metric([share.tenant], share.waiting)
+            tokens.add_metric([share.tenant], share.tokens_total)
+        yield from (active, waiting, tokens)
 
     def _client(self) -> Any:
         if self._redis is None:

@@ -272,6 +272,7 @@ class ForkedFrom(BaseModel):
 class RunResult(BaseModel):
     run_id: str
     status: Status
+    status_reason: str | None = None  # why a run not ended is not moving: waiting_share (fair share)
     exit: str | None = None
     content: str | None = None
     result: Any = None

@@ -1,7 +1,7 @@
 """Lua scripts: each state change of a run is one atomic round trip.
 
 Every script receives the same KEYS: the run's own keys (``Keys.all_for_run``), then
-its shard's lease index, run index and expiry index (``Keys.shard_keys``). They all
+its shard's lease index, run index, expiry index and tenant tokens (``Keys.shard_keys``). They all
 share the shard's hash tag, so each script touches one slot (Redis Cluster-safe).
 ARGV starts with the same five values (run id, lease ms, events cap, retention s,
 attempts per step), read by ``PRELUDE``; a script's own arguments follow (``arg(i)``).
@@ -43,7 +43,8 @@ local RUN, MSGS, CALLS, CSTATE, CARGS, TMSGS, STEER, EVENTS, SUP, CLAIMS =
 -- KEYS[13]: the run's journal (orchestrator/journal.py)
 local CALLIDS, JOURNAL = KEYS[12], KEYS[13]
 local NRUN = 13  -- the run's own keys, expired with it
-local LEASES, RUNS, EXPIRY = KEYS[NRUN + 1], KEYS[NRUN + 2], KEYS[NRUN + 3]
+local LEASES, RUNS, EXPIRY, TOKENS = KEYS[NRUN + 1], KEYS[NRUN + 2], KEYS[NRUN + 3], KEYS[NRUN + 4]
+local EXTRA = NRUN + 5  -- a script's own KEYS (after the run's and its shard's) start here
 local RUN_ID, LEASE, MAXLEN, TTL, CAP =
   ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local function arg(i) return ARGV[5 + i] end
@@ -86,9 +87,12 @@ end
 -- When the sweeper must look at this run next: its earliest lease or dispatch
 -- deadline (or its pause deadline). Every script that moves a deadline calls this.
 local function next_look()
-  local st = redis.call('HMGET', RUN, 'status', 'phase', 'turn_deadline', 'pause_deadline')
+  local st = redis.call('HMGET', RUN, 'status', 'phase', 'turn_deadline', 'pause_deadline', 'gate')
   if not st[1] or ended(st[1]) then redis.call('ZREM', LEASES, RUN_ID) return end
   local paused = st[1] == 'paused'
+  -- waiting in its tenant's queue (orchestrator/fairshare.py): that queue holds it, not the
+  -- leases; until its place there is confirmed (gate 'new') it is looked at like a turn
+  if st[5] == 'wait' and not paused then redis.call('ZREM', LEASES, RUN_ID) return end
   local t = paused and tonumber(st[4]) or nil
   local function consider(d) if d and (not t or d < t) then t = d end end
   if st[2] == 'turn' and not paused then consider(tonumber(st[3])) end
@@ -212,6 +216,15 @@ local function give_up_call(key, c)
   finish('failed', 'error', '', '', text, 'StepFailed')
 end
 
+-- A run under fair share (field ``fair``) counts its tokens into its tenant's, per 10 s
+-- bucket of Redis time, in its shard (orchestrator/fairshare.py sums the shards' last minute).
+local function tenant_tokens(tenant, n)
+  local bucket = math.floor(NOW / 10000)
+  redis.call('HINCRBY', TOKENS, tenant .. '|' .. int(bucket), n)
+  redis.call('HINCRBY', TOKENS, tenant .. '|total', n)
+  redis.call('HDEL', TOKENS, tenant .. '|' .. int(bucket - 7))  -- past the window
+end
+
 -- A model reply's usage, '<tokens> <cost usd>' (kind: also counted apart, e.g. 'judge').
 local function add_usage(usage, kind)
   local n, cost = string.match(usage, '^(%d+) ?([^ ]*)$')
@@ -219,8 +232,10 @@ local function add_usage(usage, kind)
   if kind then redis.call('HINCRBY', RUN, 'tokens_' .. kind, n) end
   local priced = cost ~= '' and tonumber(cost) > 0
   if priced then redis.call('HINCRBYFLOAT', RUN, 'cost_usd', cost) end
+  local f = redis.call('HMGET', RUN, 'ancestors', 'fair', 'tenant')
+  if f[2] and tonumber(n) > 0 then tenant_tokens(f[3] or 'default', n) end
   -- a child run's spend counts into every ancestor's, as it happens
-  for id in string.gmatch(redis.call('HGET', RUN, 'ancestors') or '', '%S+') do
+  for id in string.gmatch(f[1] or '', '%S+') do
     local ak = key_of(id, 1)
     if redis.call('EXISTS', ak) == 1 then
       redis.call('HINCRBY', ak, 'tokens_used', n)
@@ -244,7 +259,9 @@ local function bill(owner, usage)
 end
 """
 
-# KEYS: + the tenant's run index. ARGV: spec, tenant, messages... -> generation | 0 (exists)
+# KEYS: + the tenant's run index. ARGV: spec, tenant, fair share ('': none; 'track': count its
+# tokens; 'gate': also hold its first turn until its tenant's queue admits it, see
+# OPEN_GATE), messages... -> generation | 0 (exists)
 CREATE = """
 if redis.call('EXISTS', RUN) == 1 then return 0 end
 redis.call('HSET', RUN, 'spec', arg(1), 'tenant', arg(2),
@@ -252,10 +269,12 @@ redis.call('HSET', RUN, 'spec', arg(1), 'tenant', arg(2),
   'pending', 0, 'ncalls', 0, 'turn_claimed', 0, 'turn_gen', 1, 'turn_taken', 0,
   'turn_attempts', 0, 'turn_owner', '', 'turn_error', '', 'turn_deadline', NOW + LEASE,
   'created_at', NOW, 'updated_at', NOW)
-for i = 3, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) end
+if arg(3) ~= '' then redis.call('HSET', RUN, 'fair', 1) end
+if arg(3) == 'gate' then redis.call('HSET', RUN, 'gate', 'new') end
+for i = 4, #ARGV - 5 do redis.call('RPUSH', MSGS, arg(i)) end
 event('queued')
 redis.call('ZADD', RUNS, NOW, RUN_ID)
-redis.call('ZADD', KEYS[NRUN + 4], NOW, RUN_ID)
+redis.call('ZADD', KEYS[EXTRA], NOW, RUN_ID)
 redis.call('ZADD', LEASES, NOW + LEASE, RUN_ID)
 return 1
 """
@@ -267,9 +286,10 @@ return 1
 CLAIM_TURN = """
 local st = redis.call('HMGET', RUN, 'status', 'iteration', 'phase', 'turn_claimed',
   'turn_deadline', 'spec', 'tokens_used', 'turn_gen', 'turn_attempts', 'turn_error',
-  'corrections', 'cost_usd')
+  'corrections', 'cost_usd', 'gate')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
+if st[13] then return {'stale'} end  -- waiting for its tenant's share: no message is its
 local it = tonumber(arg(1))
 if st[1] == 'paused' then
   -- parked: this worker took the turn's current message and drops it; the resume sends
@@ -591,13 +611,14 @@ return 'ok'
 #  | {'not_paused'|'ended'|'missing'}
 RESUME = """
 local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_claimed',
-  'turn_deadline', 'turn_gen', 'turn_taken')
+  'turn_deadline', 'turn_gen', 'turn_taken', 'gate')
 if not st[1] then return {'missing'} end
 if ended(st[1]) then return {'ended'} end
 if st[1] ~= 'paused' then return {'not_paused'} end
-redis.call('HSET', RUN, 'status', 'running', 'paused_at', '', 'pause_deadline', '',
-  'updated_at', NOW)
+redis.call('HSET', RUN, 'status', st[8] and 'queued' or 'running', 'paused_at', '',
+  'pause_deadline', '', 'updated_at', NOW)
 event('control', 'action', 'resume', 'by', arg(1))
+if st[8] then next_look() return {'none'} end  -- still waiting for its share: OPEN_GATE sends
 if st[2] == 'turn' then
   if st[4] == '1' and tonumber(st[5]) > NOW then next_look() return {'none'} end
   local gen, what = tonumber(st[6]) or 0, 'check'
@@ -667,7 +688,14 @@ if paused and tonumber(st[5]) and tonumber(st[5]) <= NOW then
     'Aborted')
   return {'pause_expired'}
 end
+local gate = redis.call('HGET', RUN, 'gate')
+if gate == 'new' and not paused then  -- held for fair share, not yet in its tenant's queue
+  redis.call('HSET', RUN, 'turn_deadline', NOW + LEASE)
+  next_look()
+  return {'gated'}
+end
 local out = {'steps'}
+if gate then next_look() return out end
 if st[2] == 'turn' and not paused and tonumber(st[4]) <= NOW then
   local it = tonumber(st[3]) + 1
   local gen, taken = tonumber(st[7]) or 0, tonumber(st[8]) or 0
@@ -685,7 +713,7 @@ if st[2] == 'turn' and not paused and tonumber(st[4]) <= NOW then
     for _, v in ipairs({'turn', gen, it, 'check'}) do out[#out + 1] = v end
   end
 elseif st[2] == 'tools' then
-  local sent = 0
+  local sent, since = 0, nil  -- since: the earliest lapsed lease of the calls sent again
   local states = redis.call('HGETALL', CSTATE)
   for i = 1, #states, 2 do
     local key, c = states[i], parse(states[i + 1])
@@ -697,6 +725,7 @@ elseif st[2] == 'tools' then
           return {'gave_up'}
         end
         if c.kind == 's' then c.kind = 'x' end
+        if not since or c.deadline < since then since = c.deadline end
         c.gen, what, sent = c.gen + 1, 'send', sent + 1
       end
       c.deadline = NOW + LEASE
@@ -707,7 +736,7 @@ elseif st[2] == 'tools' then
     end
   end
   if sent > 0 then
-    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent)
+    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent, 'lost_since', int(since))
   end
 end
 next_look()
@@ -719,8 +748,8 @@ return out
 # -> {'turn', iteration, gen} | {'call', gen, payload} | {'none'} (it moved on meanwhile)
 RESEND = """
 local st = redis.call('HMGET', RUN, 'status', 'phase', 'iteration', 'turn_claimed',
-  'turn_gen', 'turn_taken')
-if not st[1] or ended(st[1]) or st[1] == 'paused' then return {'none'} end
+  'turn_gen', 'turn_taken', 'gate')
+if not st[1] or ended(st[1]) or st[1] == 'paused' or st[7] then return {'none'} end
 local gen = tonumber(arg(2))
 if arg(1) == 'turn' then
   if st[2] ~= 'turn' or st[4] == '1' or tonumber(st[5]) ~= gen or tonumber(st[6]) >= gen then
@@ -738,7 +767,7 @@ if not c or c.kind == 'd' or c.kind == 's' or c.gen ~= gen or c.taken >= gen the
 end
 c.gen, c.deadline = c.gen + 1, NOW + LEASE
 put(arg(1), c)
-event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1)
+event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1, 'lost_since', NOW)
 next_look()
 return {'call', c.gen, redis.call('HGET', CARGS, arg(1))}
 """
@@ -819,6 +848,41 @@ event('supervisor', unpack(fields))
 return 1
 """
 
+# Tenant fair share (orchestrator/fairshare.py): a run created with a gate ('new') has no
+# message sent until its tenant's queue admits it. MARK_WAITING: it waits there (its
+# status reason ``waiting_share``; the queue, not the lease index, holds it now).
+# -> 'ok' | 'open' (admitted meanwhile) | 'ended' | 'missing'
+MARK_WAITING = """
+local st = redis.call('HMGET', RUN, 'status', 'gate')
+if not st[1] then return 'missing' end
+if ended(st[1]) then return 'ended' end
+if st[2] ~= 'new' then return st[2] and 'ok' or 'open' end
+redis.call('HSET', RUN, 'gate', 'wait', 'reason', 'waiting_share', 'waiting_since', NOW)
+event('waiting', 'reason', 'waiting_share')
+next_look()
+return 'ok'
+"""
+
+# Admitted: its first turn (or the turn it waits on) is due now, once.
+# -> {'send', generation, iteration} | {'open'} (opened already) | {'paused'} (the resume
+#    sends it) | {'ended'} | {'missing'}
+OPEN_GATE = """
+local st = redis.call('HMGET', RUN, 'status', 'gate', 'iteration', 'turn_gen', 'waiting_since')
+if not st[1] then return {'missing'} end
+if ended(st[1]) then return {'ended'} end
+if not st[2] then return {'open'} end
+redis.call('HDEL', RUN, 'gate', 'reason', 'waiting_since')
+if st[2] == 'wait' then event('admitted', 'waited_ms', NOW - (tonumber(st[5]) or NOW)) end
+redis.call('HSET', RUN, 'turn_claimed', 0, 'turn_deadline', NOW + LEASE, 'updated_at', NOW)
+if st[1] == 'paused' then  -- parked: no message is sent; the resume sends the turn
+  redis.call('HSET', RUN, 'turn_taken', st[4])
+  next_look()
+  return {'paused'}
+end
+next_look()
+return {'send', tonumber(st[4]), tonumber(st[3]) + 1}
+"""
+
 # One shard's sweep: take its lock, then what is due. KEYS: lock, leases, expiry.
 # ARGV: lock ms, holder, batch -> false (another sweeper has it) | {now, due runs, expired}
 DUE = """
@@ -851,4 +915,5 @@ RUN_SCRIPTS = (
     "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FAIL_TURN", "FINISH", "START_CALL",
     "RECORD_CALL", "FAIL_CALL", "BEAT", "HAND_BACK", "PAUSE", "RESUME", "ABORT", "STEER",
     "RECOVER", "RESEND", "MARK_ONCE", "DEFER_TURN", "ADD_USAGE", "COMPACT", "TEXT",
+    "MARK_WAITING", "OPEN_GATE",
 )  # fmt: skip

@@ -7,7 +7,7 @@ import tempfile
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from orchestrator.keys import EVENTS_MAXLEN
@@ -43,6 +43,19 @@ class Settings(BaseSettings):
     trace_content: bool = False  # spans carry prompts and replies (scrubbed); off: no text of a run
     task_events: bool = False  # Celery task events always on (Flower turns them on by itself)
     rate_limits: str = ""  # JSON: per-model and per-tenant requests/tokens per minute (worker/ratelimit.py)
+    # Tenant fair share (orchestrator/fairshare.py), checked here: a bad value stops the start.
+    tenant_shares: str = ""  # "tenant=weight,...": each tenant's weight of model tokens (default 1)
+    tenant_max_active: str = ""  # "tenant=N,...,*=N": runs of a tenant holding a slot at once
+    max_active: int | None = Field(default=None, ge=1)  # runs of all tenants together (weights divide it)
+
+    @field_validator("tenant_shares", "tenant_max_active")
+    @classmethod
+    def _fair_share_pairs(cls, value: str, info: ValidationInfo) -> str:
+        from orchestrator.fairshare import parse_pairs
+
+        name = info.field_name or ""
+        parse_pairs(f"TOOLOOP_{name.upper()}", value, integer=name == "tenant_max_active")
+        return value
 
     @property
     def broker(self) -> str:

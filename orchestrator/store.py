@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from orchestrator import scripts
+from orchestrator import fairshare, scripts
 from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS, refuse_long
 from orchestrator.connections import connect
 from orchestrator.events import Event
@@ -177,12 +177,14 @@ class RunStore:
         return seconds * 1000 + micros // 1000
 
     # -- create -------------------------------------------------------------
-    def create(self, run_id: str, spec: RunSpec, messages: list[dict[str, Any]]) -> int:
-        """Write the run and its index entries in one script; its first turn's generation."""
+    def create(self, run_id: str, spec: RunSpec, messages: list[dict[str, Any]], fair: str = "") -> int:
+        """Write the run and its index entries in one script; its first turn's generation.
+        ``fair`` (orchestrator/fairshare.py): 'track' counts its tokens into its tenant's;
+        'gate' also holds its first turn until its tenant's queue admits it."""
         if bad := run_id_error(run_id):  # the producer checked; so does the store
             raise ValueError(bad)
         tenant_index = self.keys.tenant_runs(spec.tenant, shard_of(run_id))
-        created = self._run("CREATE", run_id, spec.model_dump_json(), spec.tenant,
+        created = self._run("CREATE", run_id, spec.model_dump_json(), spec.tenant, fair,
                             *(json.dumps(m) for m in messages), keys=(tenant_index,))  # fmt: skip
         if not created:
             raise ValueError(f"run {run_id} already exists")
@@ -352,6 +354,22 @@ class RunStore:
             self._run(script, run_id, *args, pipe=pipe)
         return pipe.execute(raise_on_error=False) if calls else []
 
+    # -- fair share (orchestrator/fairshare.py) ------------------------------------
+    def mark_waiting(self, run_id: str) -> str:
+        """A gated run waits in its tenant's queue: 'ok', 'open' (admitted meanwhile), 'ended'."""
+        return _s(self._run("MARK_WAITING", run_id))
+
+    def open_gates(self, run_ids: list[str]) -> list[Dispatch | str | Exception]:
+        """Admitted runs: each one's turn to send (once), or why none ('open': sent already,
+        'paused': its resume sends it, 'ended', 'missing'); one pipeline."""
+        out: list[Dispatch | str | Exception] = []
+        for run_id, raw in zip(run_ids, self._many("OPEN_GATE", [(r, ()) for r in run_ids]), strict=True):
+            if isinstance(raw, Exception) or _s(raw[0]) != "send":
+                out.append(raw if isinstance(raw, Exception) else _s(raw[0]))
+            else:
+                out.append(Dispatch(run_id, int(raw[1]), iteration=int(raw[2])))
+        return out
+
     # -- directives -----------------------------------------------------------
     def pause(self, run_id: str, by: str = "operator") -> str:
         raw = self.redis.hget(self.keys.run(run_id), "spec")
@@ -366,6 +384,8 @@ class RunStore:
             from orchestrator.children import pause_children
 
             pause_children(self, run_id, by)
+        if verdict == "ok":  # a paused run gives its tenant's slot up
+            fairshare.moved(self, run_id, "park")
         return verdict
 
     def resume(self, run_id: str, by: str = "operator") -> tuple[str, Recovery]:
@@ -386,7 +406,10 @@ class RunStore:
     def abort(self, run_id: str, by: str = "operator", reason: str = "abort requested") -> str:
         """``TooLong`` (nothing written) when ``reason`` is over REASON_MAX_CHARS."""
         refuse_long("reason", reason, REASON_MAX_CHARS)
-        return _s(self._run("ABORT", run_id, by, reason))
+        verdict = _s(self._run("ABORT", run_id, by, reason))
+        if verdict == "ok":
+            fairshare.moved(self, run_id, "end")
+        return verdict
 
     def mark_once(self, run_id: str, key: str, *event_fields: Any) -> bool:
         """Supervisor: True the first time ``key`` is marked for this run (emits an event)."""
@@ -698,6 +721,7 @@ def build_result(run_id: str, state: dict[str, str], raw_calls: dict[Any, Any]) 
     return RunResult(
         run_id=run_id,
         status=Status(state["status"]),
+        status_reason=state.get("reason") or None,
         exit=exit_,
         content=state.get("content") or None,
         result=json.loads(state["result"]) if state.get("result") else None,

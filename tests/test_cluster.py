@@ -252,7 +252,7 @@ RUN_KEY = re.compile(r"[^{}]+:\{s\d+\}:run:[A-Za-z0-9_-]{1,64}:[a-z]+")  # keys.
 
 
 def script_sources() -> dict[str, str]:
-    from orchestrator import approvals, children, fork, journal, scripts, telemetry
+    from orchestrator import approvals, children, fairshare, fork, journal, scripts, telemetry
     from worker import ratelimit
 
     sources = {name: scripts.PRELUDE + getattr(scripts, name) for name in scripts.RUN_SCRIPTS}
@@ -260,7 +260,8 @@ def script_sources() -> dict[str, str]:
                       "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
                       "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE, "STAGE": journal.STAGE,
                       "FORK_READ": fork.READ, "FORK_WRITE": fork.WRITE,
-                      "START_CHILD": scripts.PRELUDE + children.START_CHILD}  # fmt: skip
+                      "START_CHILD": scripts.PRELUDE + children.START_CHILD,
+                      "FAIR_ENQUEUE": fairshare.ENQUEUE, "FAIR_PUMP": fairshare.PUMP}  # fmt: skip
 
 
 def test_scripts_name_keys_only_through_KEYS():

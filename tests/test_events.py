@@ -38,6 +38,8 @@ SAMPLES: dict[str, tuple[dict[str, str], dict[str, object]]] = {
                    {"before": 52, "after": 23, "fallback": False, "tokens_used": 400}),
     "rate_limited": ({"iteration": "1", "wait_ms": "1500"}, {"iteration": 1, "wait_ms": 1500}),
     "text": ({"iteration": "2", "text": "12"}, {"iteration": 2, "text": "12"}),  # text stays text
+    "waiting": ({"reason": "waiting_share"}, {"reason": "waiting_share"}),
+    "admitted": ({"waited_ms": "2500"}, {"waited_ms": 2500}),
     "approval": ({"iteration": "1", "call_id": "c1", "tool": "deploy", "decision": "pending",
                   "arguments": '{"a": 1}', "deadline": TS},
                  {"iteration": 1, "decision": "pending", "arguments": '{"a": 1}', "deadline": WHEN}),

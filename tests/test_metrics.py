@@ -168,7 +168,7 @@ def test_the_observability_page_names_every_metric() -> None:
 
     counted = {m._name for m in vars(metrics.metrics()).values()}
     source = (ROOT / "orchestrator" / "metrics.py").read_text()
-    fleet = set(re.findall(r'GaugeMetricFamily\(\s*"(tooloop_\w+)"', source))
+    fleet = set(re.findall(r'(?:Gauge|Counter)MetricFamily\(\s*"(tooloop_\w+)"', source))
     assert {"tooloop_queue_depth", "tooloop_live_runs", "tooloop_paused_runs", "tooloop_redis_up"} <= fleet
     page = (ROOT / "docs" / "observability.md").read_text()
     named = {re.sub(r"_total$", "", n) for n in re.findall(r"`(tooloop_\w+)`", page)}

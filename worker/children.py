@@ -27,7 +27,7 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from orchestrator import children
+from orchestrator import children, fairshare
 from orchestrator.models import AGENT_TOOL_PREFIX, RESERVED_EXITS, Exit, RunSpec
 from orchestrator.secrets import SecretError
 from orchestrator.store import RunStore, parse_spec
@@ -55,7 +55,9 @@ def start_now(store: RunStore, payload: dict[str, Any], celery_app: Any = None) 
 
 def hand_off(store: RunStore, run_id: str, celery_app: Any = None) -> None:
     """``run_id`` ended: if it is a child whose parent's call waits, record that call now,
-    here (the call is due within a lease otherwise, and the sweeper sends it)."""
+    here (the call is due within a lease otherwise, and the sweeper sends it); under fair
+    share, its tenant's slot goes to a waiting run (orchestrator/fairshare.py)."""
+    fairshare.moved(store, run_id, "end", celery_app)
     try:
         message = children.parent_call(store, run_id)
         if message is not None:

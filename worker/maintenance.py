@@ -35,7 +35,7 @@ from orchestrator.keys import CATALOG_REFRESH_S, SHARDS
 from orchestrator.models import Exit
 from orchestrator.settings import get_settings
 from orchestrator.store import Dispatch, Finish, Held, Recovery, RunStore
-from worker import broker
+from worker import broker, fairshare
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,9 @@ class Sweeper:
         return self._flush(), checks
 
     def _act(self, found: Recovery) -> int:
+        if found.outcome == "gated":  # held for fair share, never queued: queue it (worker/fairshare.py)
+            fairshare.queue_gated(self.store, found.run_id, self.celery)
+            return 0
         if found.outcome != "steps":
             if found.outcome in ("pause_expired", "gave_up"):
                 log.warning("run %s ended by the sweeper: %s", found.run_id, found.outcome)
@@ -378,7 +381,7 @@ class Maintenance(threading.Thread):
                 return
 
     def sweep(self) -> int:
-        return self.sweeper.sweep()
+        return self.sweeper.sweep() + fairshare.sweep(self.store, self.worker_name)
 
     def stop(self) -> None:
         self.stopping.set()

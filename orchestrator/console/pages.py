@@ -182,4 +182,17 @@ def _fleet(console: Console, tenant: str) -> dict[str, Any]:
 
     client = console.api.client
     report = diagnose(client.store)
-    return {"report": report, "waiting": waiting_runs(client.store, tenant=tenant)}
+    return {"report": report, "waiting": waiting_runs(client.store, tenant=tenant),
+            "tenants": _shares_seen_by(report.pop("tenants", []), tenant)}
+
+
+def _shares_seen_by(shares: list[dict[str, Any]], tenant: str) -> list[dict[str, Any]]:
+    """Fair share as one tenant may see it: its own row, and the other tenants summed into
+    one (their names and their own figures are theirs)."""
+    own = [s for s in shares if s["tenant"] == tenant]
+    others = [s for s in shares if s["tenant"] != tenant]
+    if others:
+        fields = ("weight", "active", "waiting", "tokens_minute", "tokens_total", "share")
+        summed = {f: sum(s[f] for s in others) for f in fields}
+        own.append({"tenant": f"other tenants ({len(others)})", "cap": None, **summed})
+    return own

@@ -343,6 +343,11 @@ def describe(event: dict[str, Any]) -> Note | None:
         return Note("compaction", f"history compacted: {sizes}", ts)
     if kind == "rate_limited":
         return Note("rate_limited", f"rate limited: waited {event.get('wait_ms')} ms", ts)
+    if kind == "waiting":
+        return Note("waiting", f"waiting for its tenant's share ({event.get('reason', '?')})", ts)
+    if kind == "admitted":
+        waited = event.get("waited_ms")
+        return Note("admitted", f"admitted after waiting {waited} ms for its tenant's share", ts)
     if kind == "forked":
         model = f", on {event['model']}" if event.get("model") else ""
         appended = ", with an appended instruction" if event.get("prompt_appended") else ""
