@@ -539,13 +539,15 @@ def test_a_running_run_whose_spec_stops_parsing_ends_on_error(deployment, spec, 
 
 
 # -- a tool worker without TOOLOOP_SECRET_KEY (issue 22, item 6) ------------------------------
-def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deployment, spec):
+def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(
+    deployment, spec, monkeypatch, capsys
+):
     """Arguments holding a secret travel sealed; a tool worker without the key cannot open
     them. Before, the error was raised outside the call's handling: the call was sent again
     as lost until its attempts were spent and the run ended on a misleading "worker lost".
     Now the call is recorded failed with the SecretError at once (the gated one too, without
     asking a person), the model is told, and doctor names the worker that lacks the key."""
-    from orchestrator.doctor import diagnose
+    from orchestrator.doctor import NO_KEY, diagnose, render
 
     d = deployment(TOOLOOP_RECOVERY_S="3")  # a quick sweeper: the old crash loop ended in seconds
     d.start_worker("-Q", "turns", "-c", "1", roles=("turns",))  # seals with the key
@@ -560,9 +562,19 @@ def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deploym
         assert not record.success and record.error.startswith("SecretError: "), record.error
         assert "TOOLOOP_SECRET_KEY" in record.error and "hunter2" not in record.error
     assert not (run_dir(handle.run_id) / "effects.txt").exists()  # nothing ran
-    workers = diagnose(d.store)["workers"]
+    report = diagnose(d.store)
+    workers = report["workers"]
     assert workers[f"tools@{keyless.name}"]["secret_key"] is False
     assert workers[f"turns@{d.workers[0].name}"]["secret_key"] is True
+    monkeypatch.setenv("COLUMNS", "400")  # one line each, as on a wide terminal
+    render(report)  # what `tooloop doctor` prints: the keyless worker's line, then why it matters
+    lines = capsys.readouterr().out.splitlines()
+    for name, keyless_here in ((f"tools@{keyless.name}", True), (f"turns@{d.workers[0].name}", False)):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"worker {name}:"))
+        block = lines[at + 1 : next((j for j in range(at + 1, len(lines)) if lines[j].startswith("worker ")),
+                                    len(lines))]  # fmt: skip
+        said = [line for line in block if "no TOOLOOP_SECRET_KEY" in line]
+        assert said == ([f"  no TOOLOOP_SECRET_KEY: {NO_KEY}"] if keyless_here else []), lines
 
 
 # -- issue 22 item 13: the sweeper's look into a queue of any length ---------------------------
