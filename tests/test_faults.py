@@ -202,7 +202,7 @@ def test_waiting_turns_keep_one_message_each(deployment, spec, model_server):
 def test_waiting_tool_calls_keep_one_message_each(deployment, spec):
     """The tool pool is out (frozen) for several lease periods while turns keep sweeping:
     at most one message per waiting call; each call runs once when the pool is back."""
-    # leases of 5 s: the pool is out at most 20 s (queueing) + 20 s (watching) < the 50 s after
+    # leases of 3 s: the pool is out at most 20 s (queueing) + 20 s (watching) < the 50 s after
     # which a tool no live worker publishes makes its calls fail
     d = deployment(TOOLOOP_RECOVERY_S="10")
     d.start_worker("-Q", "turns", "-c", "4", roles=("turns",))
@@ -336,7 +336,7 @@ def extra_worker(d, name: str, env: dict[str, str], *args: str):
 # -- item 8: a Redis blip at record time ------------------------------------------------
 def test_a_redis_blip_at_record_time_keeps_the_result(deployment, spec, aof_redis):
     own_redis = aof_redis
-    d = deployment(TOOLOOP_REDIS_URL=own_redis.url, TOOLOOP_RECOVERY_S="12")
+    d = deployment(TOOLOOP_REDIS_URL=own_redis.url, TOOLOOP_RECOVERY_S="24")  # records retry a lease: 6 s
     d.start_worker("-c", "2")
     s = spec([tools(call("append_then_sleep", {"text": "once", "seconds": 2})), {"content": "ok"}],
              tools=["append_then_sleep"])  # fmt: skip
