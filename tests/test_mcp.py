@@ -79,15 +79,19 @@ def mcp_deployment(deployment, http_server, tmp_path):
 
 
 MISSING = "/nonexistent/mcp-server-missing"
+# a file every sandbox layer shows (bubblewrap's /tmp is empty), anyone may read, none run: EACCES
+NOT_EXECUTABLE = "/etc/passwd"
 
 
 @pytest.fixture(scope="module")
 def mcp_shared(stack, http_server, tmp_path_factory):
     """One MCP deployment for the tests that neither stop nor kill its worker (each costs
-    12-16 s to start): the servers of ``mcp_deployment``, and one whose command is missing."""
+    12-16 s to start): the servers of ``mcp_deployment``, one whose command is missing and
+    one whose command may not be run."""
     from tests.conftest import Deployment
 
-    path = _servers_file(tmp_path_factory.mktemp("mcp"), http_server, broken={"command": MISSING})
+    path = _servers_file(tmp_path_factory.mktemp("mcp"), http_server, broken={"command": MISSING},
+                         denied={"command": NOT_EXECUTABLE})  # fmt: skip
     prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-{os.urandom(3).hex()}"
     d = Deployment(prefix, {**stack.env, "TOOLOOP_MCP_SERVERS": path})
     try:
@@ -457,11 +461,14 @@ def test_stdio_servers_get_the_shells_git_settings(mcp_shared, spec):
 
 
 def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
-    """A server whose command is missing: the worker's log says why on the line that names
-    it, and `tooloop doctor` and `tooloop tools` show it with that cause."""
+    """A server whose command is missing (ENOENT) or may not be run (EACCES): the worker's
+    log says why on the line that names it, and `tooloop doctor` and `tooloop tools` show
+    it with that cause."""
     worker = mcp_shared.workers[0]
-    [line] = [line for line in worker.tail(1 << 20).splitlines() if "MCP server 'broken'" in line]
-    assert "cannot list its tools" in line and "No such file or directory" in line, line
+    log = worker.tail(1 << 20).splitlines()
+    for server, cause in (("broken", "No such file or directory"), ("denied", "Permission denied")):
+        [line] = [line for line in log if f"MCP server '{server}'" in line]
+        assert "cannot list its tools" in line and cause in line, line
     env = {**os.environ, **mcp_shared.env}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
@@ -469,12 +476,17 @@ def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
                               capture_output=True, text=True, timeout=60)  # fmt: skip
 
     report = json.loads(cli("doctor", "--json").stdout)
-    [why] = report["workers"][f"tools@{worker.name}"]["mcp_unavailable"].values()
-    assert "No such file or directory" in why and MISSING in why, why
+    unavailable = report["workers"][f"tools@{worker.name}"]["mcp_unavailable"]
+    assert sorted(unavailable) == ["broken", "denied"], unavailable
+    assert "No such file or directory" in unavailable["broken"] and MISSING in unavailable["broken"]
+    assert "Permission denied" in unavailable["denied"], unavailable["denied"]
     doctor, listed = cli("doctor"), cli("tools")
 
     def shown(text: str) -> bool:
-        return any("broken" in line and "No such file" in line for line in text.splitlines())
+        lines = text.splitlines()
+        return any("broken" in line and "No such file" in line for line in lines) and any(
+            "denied" in line and "Permission denied" in line for line in lines
+        )
 
     assert shown(doctor.stdout), doctor.stdout
     assert listed.returncode == 0 and "calc__add" in listed.stdout and shown(listed.stderr), listed.stderr

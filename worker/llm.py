@@ -15,7 +15,7 @@ callers use ``complete``. Per call:
 - with ``stream: true``, text deltas handed to a callback as they arrive;
 - a plain call to an OpenAI-compatible server sent by ``worker/openai_route.py``
   (litellm's provider config, one aiohttp session per process: ~0.7 ms of CPU a call
-  against ~4–10 ms through ``litellm.acompletion``), everything else by litellm.
+  against ~4 to 10 ms through ``litellm.acompletion``), everything else by litellm.
 
 Tool workers, the CLI and the producer client never call into this module, so
 they never pay for litellm.
