@@ -674,6 +674,20 @@ def test_the_run_folder_has_a_disk_quota(layer: Layer) -> None:
         assert out["stdout"].split()[1] == str(8 * 1024), out
 
 
+def test_what_a_given_folder_held_before_counts_into_its_quota(layer: Layer) -> None:
+    """Issue 29: a spec's own folder (a checkout under an allowed root) is the run's folder
+    with what it held before the run, and that content counts into ``max_disk_mb``
+    (docs/sandbox.md): 6 MiB already there leave a 4 MiB file no room under 8 MiB."""
+    folder = Path(allow_root(), f"checkout-{uuid.uuid4().hex[:6]}")
+    folder.mkdir()
+    (folder / "prior.bin").write_bytes(b"x" * (6 << 20))
+    policy = SandboxPolicy(max_disk_mb=8, max_file_mb=256)
+    error = layer.fails(hostile.big_file, run=str(folder), mb=4, policy=policy)
+    assert "File too large" in error and du(str(folder)) <= (8 << 20) + (1 << 16), (error, du(str(folder)))
+    os.unlink(folder / "big.bin")  # (cut at the room that was left: 2 MiB)
+    assert layer.ok(hostile.big_file, run=str(folder), mb=1, policy=policy) == 1  # that room is usable
+
+
 # -- killing the whole tree ---------------------------------------------------------------------
 def test_setsid_children_do_not_outlive_the_call(layer: Layer) -> None:
     mark = marker()
