@@ -492,10 +492,11 @@ def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
     assert listed.returncode == 0 and "calc__add" in listed.stdout and shown(listed.stderr), listed.stderr
 
 
-def test_a_server_that_cannot_start_says_why(monkeypatch):
+def test_a_server_that_cannot_start_says_why(monkeypatch, capsys):
     """Issue 29: a stdio server that dies at start, or whose sandbox cannot be made (here a
     mount bubblewrap cannot make), fails the call with what it said on stderr (bubblewrap's
-    own message), not with the SDK's "Connection closed" alone."""
+    own message), not with the SDK's "Connection closed" alone; the worker's log (the host's
+    stderr) has that message once."""
     import uuid
 
     from worker import sandbox
@@ -516,6 +517,8 @@ def test_a_server_that_cannot_start_says_why(monkeypatch):
 
     error = first_call("basic")
     assert error.startswith("McpError") and marker in error, error
+    logged = capsys.readouterr().err  # the host's stderr: the worker's log
+    assert logged.count(marker) == 1, logged  # the server's own line, once
     if not sandbox.layers("bwrap")["bwrap"]:
         pytest.skip("bubblewrap does not work here: " + sandbox.host._host(probe=True).bwrap_error)
     missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
@@ -527,3 +530,5 @@ def test_a_server_that_cannot_start_says_why(monkeypatch):
     monkeypatch.setattr(sandbox.command, "_bwrap_argv", broken)
     error = first_call("bwrap")
     assert f"bwrap: Can't find source path {missing}" in error, error
+    logged = capsys.readouterr().err
+    assert logged.count(f"Can't find source path {missing}") == 1, logged

@@ -8,14 +8,22 @@ to, do not import each other."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import pickle
 import signal
 from typing import Any, NoReturn
 
-from worker.sandbox.child import _confine, _detach, _enter, _Facts, _handlers, _limits, _report, _serve
+from worker.sandbox.child import (
+    _confine,
+    _detach,
+    _enter,
+    _Facts,
+    _handlers,
+    _limits,
+    _report_failed_start,
+    _serve,
+)
 from worker.sandbox.constants import REQUEST_FD, RESULT_FD
 from worker.sandbox.env import _clearenv
 from worker.sandbox.kernel import _net_fds
@@ -61,8 +69,7 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
         _confine(plan, _Facts(facts.fds, [], limits), parent, drop=plan.gid is not None)
         code = _serve(plan, REGISTRY[name].fn, kwargs)
     except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+        _report_failed_start(exc)
     finally:
         os._exit(code)
 
