@@ -910,7 +910,24 @@ end
 return out
 """
 
-# The scripts that run on one run's keys (PRELUDE + script); DUE and QUEUED stand alone.
+# A step sent again goes to the consuming end of its queue: kombu's Redis transport pushes
+# at the list's head (LPUSH) and takes from its tail (BRPOP), so a message moved to the tail
+# is the next one taken. A lost step's run has waited a lease already; it does not wait again
+# behind the work queued meanwhile. KEYS: the list. ARGV: task id, entries to look at (the
+# message was just published: it is among the newest) -> 1 (moved) | 0 (not found: left)
+JUMP = """
+local slice = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+for _, m in ipairs(slice) do
+  if string.match(m, '"id": ?"([^"]+)"') == ARGV[1] then
+    redis.call('LREM', KEYS[1], 1, m)
+    redis.call('RPUSH', KEYS[1], m)
+    return 1
+  end
+end
+return 0
+"""
+
+# The scripts that run on one run's keys (PRELUDE + script); DUE, QUEUED and JUMP stand alone.
 RUN_SCRIPTS = (
     "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FAIL_TURN", "FINISH", "START_CALL",
     "RECORD_CALL", "FAIL_CALL", "BEAT", "HAND_BACK", "PAUSE", "RESUME", "ABORT", "STEER",

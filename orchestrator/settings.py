@@ -15,6 +15,8 @@ from orchestrator.keys import EVENTS_MAXLEN
 # No internet on many deployments: litellm must not try to fetch its cost map.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+LEASE_MIN_S = 3.0  # the shortest lease of a deployment whose bound is over 6 s (Settings.lease_s)
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOOLOOP_", extra="ignore")
@@ -67,12 +69,20 @@ class Settings(BaseSettings):
 
     @property
     def lease_s(self) -> float:
-        """A claimed step whose heartbeat stops is presumed lost after this long."""
-        return self.recovery_s / 2
+        """A claimed step whose heartbeat stops is presumed lost after this long.
+
+        A quarter of the recovery bound R: the lease, a sweep interval and the sweep take
+        under a third of R, and the rest is room for what a lost step's run also waits on (the
+        step's own work before the loss, the queue in front of it when it is sent again, a
+        worker's start, redoing it): measured by ``bench/chaos.py`` (docs/guarantees.md). At
+        least LEASE_MIN_S, so that a loaded box's pauses do not cost a live holder its step,
+        and never more than half of R (a short R in tests)."""
+        return min(self.recovery_s / 2, max(LEASE_MIN_S, self.recovery_s / 4))
 
     @property
     def sweep_interval_s(self) -> float:
-        return max(0.5, self.recovery_s / 12)
+        """How often each worker sweeps (the workers share the shards): R / 20, at least 0.5 s."""
+        return max(0.5, self.recovery_s / 20)
 
     @property
     def heartbeat_s(self) -> float:

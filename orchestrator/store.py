@@ -45,6 +45,7 @@ from orchestrator.settings import Settings, get_settings
 
 QUEUE_SCAN_SLICE = 1_000  # entries of a broker queue one script reads (~10 ms of Redis, loaded)
 QUEUE_SCAN_MAX = 50_000  # entries one look into a queue reads at most
+JUMP_SCAN = 200  # newest entries of a queue where a message just sent again is looked for
 
 
 def now_ms() -> int:
@@ -149,6 +150,7 @@ class RunStore:
         }
         self._due = client.register_script(scripts.DUE)
         self._queued = client.register_script(scripts.QUEUED)
+        self._jump = client.register_script(scripts.JUMP)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> RunStore:
@@ -471,6 +473,11 @@ class RunStore:
                 return found
             first += QUEUE_SCAN_SLICE
         return found | left
+
+    def jump(self, client: redis.Redis, queue_key: str, task_id: str) -> bool:
+        """Move a message just published to a kombu queue (a list on the broker's Redis) to
+        the end taken next (scripts.JUMP); False if it is not among the newest JUMP_SCAN."""
+        return bool(self._jump(keys=[queue_key], args=[task_id, JUMP_SCAN], client=client))
 
     def drop_expired(self, shard: int, members: list[str], now: int) -> int:
         """Remove ended runs whose keys expired from the shard's run indexes (a run whose

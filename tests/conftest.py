@@ -130,10 +130,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TOOLOOP_REDIS_URL"] = url
     os.environ["TOOLOOP_KEY_PREFIX"] = f"test-{uuid.uuid4().hex[:8]}"
     os.environ["TOOLOOP_TOOLS"] = "tests.tools"
-    # The shared workers' leases (15 s) outlast the stalls of a loaded box: a test that does not
-    # kill or freeze workers must not see a turn taken over. A deployment (tests that kill,
-    # freeze or starve workers) gets TOOLOOP_RECOVERY_S=6 (leases of 3 s) unless it says.
-    os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "30")
+    # The shared workers' leases (15 s: the default R / 4) outlast the stalls of a loaded box: a
+    # test that does not kill or freeze workers must not see a turn taken over. A deployment
+    # (tests that kill, freeze or starve workers) gets TOOLOOP_RECOVERY_S=6 (leases of 3 s)
+    # unless it says.
+    os.environ["TOOLOOP_RECOVERY_S"] = os.environ.get("TOOLOOP_RECOVERY_S", "60")
     os.environ["TOOLOOP_SANDBOX_ROOT"] = tempfile.mkdtemp(prefix="tooloop-test-")
     os.environ["TOOLOOP_SANDBOX_ALLOW"] = tempfile.mkdtemp(prefix="tooloop-allow-")  # context.sandbox_root
     os.environ["TOOLOOP_SECRET_KEY"] = "test-secret"
@@ -384,6 +385,14 @@ class Deployment:
         proc = WorkerProcess(f"{self.prefix}-{len(self.workers)}", *args, env={**self.env, **(env or {})})
         self.workers.append(proc)
         return proc.wait_ready(self.store, roles)
+
+    def start_workers(self, count: int, *args: str) -> list[WorkerProcess]:
+        """``count`` workers started together, each ready on return: their starts overlap (on
+        a loaded box each start waits on the CPU, not on the others)."""
+        procs = [WorkerProcess(f"{self.prefix}-{len(self.workers) + i}", *args, env=self.env)
+                 for i in range(count)]  # fmt: skip
+        self.workers += procs
+        return [proc.wait_ready(self.store) for proc in procs]
 
     def queued(self, queue: str) -> int:
         """Messages waiting in one of this deployment's queues (whatever the broker)."""

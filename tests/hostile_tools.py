@@ -166,6 +166,15 @@ def ignore_sigterm(marker: str, seconds: float) -> str:
 
 
 @_both
+def segfault() -> str:
+    """Write to address 0 from C code: the process dies on SIGSEGV (a crashing C extension)."""
+    import ctypes
+
+    ctypes.memset(0, 1, 1)
+    return "still here"
+
+
+@_both
 def burn_cpu(seconds: float) -> str:
     """Spin."""
     end = time.monotonic() + seconds

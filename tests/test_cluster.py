@@ -256,8 +256,8 @@ def script_sources() -> dict[str, str]:
     from worker import ratelimit
 
     sources = {name: scripts.PRELUDE + getattr(scripts, name) for name in scripts.RUN_SCRIPTS}
-    return sources | {"DUE": scripts.DUE, "QUEUED": scripts.QUEUED, "PARK": approvals.PARK,
-                      "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
+    return sources | {"DUE": scripts.DUE, "QUEUED": scripts.QUEUED, "JUMP": scripts.JUMP,
+                      "PARK": approvals.PARK, "DECIDE": approvals.DECIDE, "MARK_END": telemetry.MARK_END,
                       "TAKE": ratelimit.TAKE, "SETTLE": ratelimit.SETTLE, "STAGE": journal.STAGE,
                       "FORK_READ": fork.READ, "FORK_WRITE": fork.WRITE,
                       "START_CHILD": scripts.PRELUDE + children.START_CHILD,

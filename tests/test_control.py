@@ -113,7 +113,7 @@ def _call_parked(store, run_id: str, key: str) -> bool:
 
 
 def test_a_pause_and_resume_is_not_reported_as_a_lost_message(client, worker, spec, model_server, store,
-                                                              holds, caplog):  # fmt: skip
+                                                              holds, caplog, monkeypatch):  # fmt: skip
     """Issue 22 item 15: a step parked by a pause (its message taken by a worker that found
     the run paused, or never sent because the run was paused) was told from a step whose
     message waits in its queue only by looking in the queue, where it was gone: each resume
@@ -122,8 +122,19 @@ def test_a_pause_and_resume_is_not_reported_as_a_lost_message(client, worker, sp
     run: a turn whose message a worker took (after a corrected reply), a call whose message
     a worker took (a reply landing after the pause), a next turn never sent (the last call
     recorded after the pause)."""
+    from prometheus_client import REGISTRY
+
+    from orchestrator import metrics
     from tests.helpers import gate
 
+    monkeypatch.setattr(metrics, "_api_counting", True)  # count here, as `tooloop api` does (count_here)
+    metrics.metrics()  # its counters registered: the resumes below run the sweeper's check in this process
+
+    def recoveries() -> dict[str, float | None]:
+        steps = ("turn", "tool_call")
+        return {s: REGISTRY.get_sample_value("tooloop_recoveries_total", {"step": s}) for s in steps}
+
+    counted = recoveries()
     broken = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": }</tool_call>'  # corrected: 'continue'
     first, second = gate(holds), gate(holds)
     s = spec([{"content": broken, "hold": first}, tools(call("add", {"a": 1, "b": 2}), hold=second),
@@ -158,6 +169,7 @@ def test_a_pause_and_resume_is_not_reported_as_a_lost_message(client, worker, sp
     kinds = [e.type for e in handle.events()]
     assert "recovery" not in kinds, kinds
     assert not [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert recoveries() == counted  # tooloop_recoveries_total counted none of the resumes
 
 
 def test_pause_holds_no_worker_slot(deployment, spec):

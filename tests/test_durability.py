@@ -185,8 +185,8 @@ def test_launcher_restarts_a_pool_that_died(deployment, spec, model_server):
 
 def test_warm_shutdown_hands_unfinished_turns_back(deployment, spec, model_server, holds):
     """SIGTERM (a deploy, a scale-down): a turn still running after 10 s is handed back
-    and resumed elsewhere well before its 30 s lease would have expired."""
-    d = deployment(TOOLOOP_RECOVERY_S="60")
+    and resumed elsewhere well before its 25 s lease would have expired."""
+    d = deployment(TOOLOOP_RECOVERY_S="100")  # leases of 25 s, sweeps every 5 s
     leaving = d.start_worker("-c", "2")
     s = spec([{"content": "handed over", "hold": gate(holds)}])
     handle = d.client.submit(s)

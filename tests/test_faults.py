@@ -202,7 +202,7 @@ def test_waiting_turns_keep_one_message_each(deployment, spec, model_server):
 def test_waiting_tool_calls_keep_one_message_each(deployment, spec):
     """The tool pool is out (frozen) for several lease periods while turns keep sweeping:
     at most one message per waiting call; each call runs once when the pool is back."""
-    # leases of 5 s: the pool is out at most 20 s (queueing) + 20 s (watching) < the 50 s after
+    # leases of 3 s: the pool is out at most 20 s (queueing) + 20 s (watching) < the 50 s after
     # which a tool no live worker publishes makes its calls fail
     d = deployment(TOOLOOP_RECOVERY_S="10")
     d.start_worker("-Q", "turns", "-c", "4", roles=("turns",))
@@ -336,7 +336,7 @@ def extra_worker(d, name: str, env: dict[str, str], *args: str):
 # -- item 8: a Redis blip at record time ------------------------------------------------
 def test_a_redis_blip_at_record_time_keeps_the_result(deployment, spec, aof_redis):
     own_redis = aof_redis
-    d = deployment(TOOLOOP_REDIS_URL=own_redis.url, TOOLOOP_RECOVERY_S="12")
+    d = deployment(TOOLOOP_REDIS_URL=own_redis.url, TOOLOOP_RECOVERY_S="24")  # records retry a lease: 6 s
     d.start_worker("-c", "2")
     s = spec([tools(call("append_then_sleep", {"text": "once", "seconds": 2})), {"content": "ok"}],
              tools=["append_then_sleep"])  # fmt: skip
@@ -539,13 +539,15 @@ def test_a_running_run_whose_spec_stops_parsing_ends_on_error(deployment, spec, 
 
 
 # -- a tool worker without TOOLOOP_SECRET_KEY (issue 22, item 6) ------------------------------
-def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deployment, spec):
+def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(
+    deployment, spec, monkeypatch, capsys
+):
     """Arguments holding a secret travel sealed; a tool worker without the key cannot open
     them. Before, the error was raised outside the call's handling: the call was sent again
     as lost until its attempts were spent and the run ended on a misleading "worker lost".
     Now the call is recorded failed with the SecretError at once (the gated one too, without
     asking a person), the model is told, and doctor names the worker that lacks the key."""
-    from orchestrator.doctor import diagnose
+    from orchestrator.doctor import NO_KEY, diagnose, render
 
     d = deployment(TOOLOOP_RECOVERY_S="3")  # a quick sweeper: the old crash loop ended in seconds
     d.start_worker("-Q", "turns", "-c", "1", roles=("turns",))  # seals with the key
@@ -560,9 +562,19 @@ def test_a_tool_worker_without_the_secret_key_fails_sealed_calls_at_once(deploym
         assert not record.success and record.error.startswith("SecretError: "), record.error
         assert "TOOLOOP_SECRET_KEY" in record.error and "hunter2" not in record.error
     assert not (run_dir(handle.run_id) / "effects.txt").exists()  # nothing ran
-    workers = diagnose(d.store)["workers"]
+    report = diagnose(d.store)
+    workers = report["workers"]
     assert workers[f"tools@{keyless.name}"]["secret_key"] is False
     assert workers[f"turns@{d.workers[0].name}"]["secret_key"] is True
+    monkeypatch.setenv("COLUMNS", "400")  # one line each, as on a wide terminal
+    render(report)  # what `tooloop doctor` prints: the keyless worker's line, then why it matters
+    lines = capsys.readouterr().out.splitlines()
+    for name, keyless_here in ((f"tools@{keyless.name}", True), (f"turns@{d.workers[0].name}", False)):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"worker {name}:"))
+        block = lines[at + 1 : next((j for j in range(at + 1, len(lines)) if lines[j].startswith("worker ")),
+                                    len(lines))]  # fmt: skip
+        said = [line for line in block if "no TOOLOOP_SECRET_KEY" in line]
+        assert said == ([f"  no TOOLOOP_SECRET_KEY: {NO_KEY}"] if keyless_here else []), lines
 
 
 # -- issue 22 item 13: the sweeper's look into a queue of any length ---------------------------

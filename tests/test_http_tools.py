@@ -303,6 +303,27 @@ def test_a_rebinding_name_reaches_only_the_address_that_was_checked(site, monkey
             assert dialed == [] or declared is hop, where
 
 
+def test_a_connection_that_reaches_another_peer_than_the_checked_address_is_refused(site, monkeypatch):
+    """The last step of item 1: after the socket is open, the peer it reached is compared
+    with the address that was checked. An operator who lets a host reach link-local and
+    metadata addresses (TOOLOOP_ALLOWED_API_BASES) has that host resolve to 0.0.0.0, which
+    the kernel connects to 127.0.0.1: the peer is not the checked address, and the call is
+    refused before a byte is sent. The same host answering 127.0.0.1 is reached."""
+    from worker.sources import http_tools
+
+    port, name = int(site.split(":")[1]), "peer.test"
+    settings = Settings(allowed_api_bases=f"http://{name}:{port}/")  # link-local allowed for it
+    declared = _tool(site, url=f"http://{name}:{port}/items/{{id}}", allow_hosts=[f"{name}:{port}"])
+    monkeypatch.setattr(socket, "getaddrinfo", _Resolver(name, [["0.0.0.0"]]))
+    refused = http_tools.call(declared, {"id": 5}, 10, settings, lambda: True)
+    assert not refused.ok and refused.error.startswith(
+        f"Refused: {name}: the connection reached 127.0.0.1, not the checked 0.0.0.0"
+    ), refused.error
+    monkeypatch.setattr(socket, "getaddrinfo", _Resolver(name, [["127.0.0.1"]]))
+    reached = http_tools.call(declared, {"id": 6}, 10, settings, lambda: True)
+    assert reached.ok and reached.output["body"]["path"] == "/items/6", reached.error
+
+
 def test_templates_take_bare_placeholders_only(client, spec, site, tmp_path):
     """A format spec (`{q:>400000000}` renders 400 MB), a conversion, an attribute or an
     index in a template is refused at submit, naming the field, and again by the worker

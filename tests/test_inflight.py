@@ -66,7 +66,7 @@ def assert_completed_once(results: list, turns: int) -> None:
 def test_hundreds_of_model_calls_in_flight_on_few_threads(deployment, spec, model_server, holds):
     """300 turns wait on the model at once in a worker of 2 turn processes x 8 threads."""
     runs = 300
-    d = deployment(TOOLOOP_RECOVERY_S="60")  # nothing is lost here: no lease may lapse on a loaded box
+    d = deployment(TOOLOOP_RECOVERY_S="120")  # nothing is lost here: no lease (30 s) may lapse, loaded
     turns, _ = start_pair(d, in_flight=runs)
     hold = gate(holds)
     s = spec([{"content": "done", "hold": hold}])
@@ -118,8 +118,8 @@ def test_warm_shutdown_lets_turns_in_flight_finish(deployment, spec, model_serve
     replies that come within the drain are recorded by it (no model call is repeated),
     and it exits by itself, well before the launcher's grace ends."""
     runs = 20
-    # nothing is lost here (the replies come within the drain): no lease may lapse on a loaded box
-    d = deployment(TOOLOOP_RECOVERY_S="60")
+    # nothing is lost here (the replies come within the drain): no lease (30 s) may lapse, loaded
+    d = deployment(TOOLOOP_RECOVERY_S="120")
     leaving, hold, s, handles = held_turns(d, spec, model_server, holds, runs)
     stopped_at = time.monotonic()
     leaving.proc.send_signal(signal.SIGTERM)

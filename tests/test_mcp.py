@@ -79,15 +79,19 @@ def mcp_deployment(deployment, http_server, tmp_path):
 
 
 MISSING = "/nonexistent/mcp-server-missing"
+# a file every sandbox layer shows (bubblewrap's /tmp is empty), anyone may read, none run: EACCES
+NOT_EXECUTABLE = "/etc/passwd"
 
 
 @pytest.fixture(scope="module")
 def mcp_shared(stack, http_server, tmp_path_factory):
     """One MCP deployment for the tests that neither stop nor kill its worker (each costs
-    12-16 s to start): the servers of ``mcp_deployment``, and one whose command is missing."""
+    12-16 s to start): the servers of ``mcp_deployment``, one whose command is missing and
+    one whose command may not be run."""
     from tests.conftest import Deployment
 
-    path = _servers_file(tmp_path_factory.mktemp("mcp"), http_server, broken={"command": MISSING})
+    path = _servers_file(tmp_path_factory.mktemp("mcp"), http_server, broken={"command": MISSING},
+                         denied={"command": NOT_EXECUTABLE})  # fmt: skip
     prefix = f"{os.environ['TOOLOOP_KEY_PREFIX']}-{os.urandom(3).hex()}"
     d = Deployment(prefix, {**stack.env, "TOOLOOP_MCP_SERVERS": path})
     try:
@@ -457,11 +461,14 @@ def test_stdio_servers_get_the_shells_git_settings(mcp_shared, spec):
 
 
 def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
-    """A server whose command is missing: the worker's log says why on the line that names
-    it, and `tooloop doctor` and `tooloop tools` show it with that cause."""
+    """A server whose command is missing (ENOENT) or may not be run (EACCES): the worker's
+    log says why on the line that names it, and `tooloop doctor` and `tooloop tools` show
+    it with that cause."""
     worker = mcp_shared.workers[0]
-    [line] = [line for line in worker.tail(1 << 20).splitlines() if "MCP server 'broken'" in line]
-    assert "cannot list its tools" in line and "No such file or directory" in line, line
+    log = worker.tail(1 << 20).splitlines()
+    for server, cause in (("broken", "No such file or directory"), ("denied", "Permission denied")):
+        [line] = [line for line in log if f"MCP server '{server}'" in line]
+        assert "cannot list its tools" in line and cause in line, line
     env = {**os.environ, **mcp_shared.env}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
@@ -469,21 +476,27 @@ def test_an_unstartable_server_is_reported_with_its_cause(mcp_shared):
                               capture_output=True, text=True, timeout=60)  # fmt: skip
 
     report = json.loads(cli("doctor", "--json").stdout)
-    [why] = report["workers"][f"tools@{worker.name}"]["mcp_unavailable"].values()
-    assert "No such file or directory" in why and MISSING in why, why
+    unavailable = report["workers"][f"tools@{worker.name}"]["mcp_unavailable"]
+    assert sorted(unavailable) == ["broken", "denied"], unavailable
+    assert "No such file or directory" in unavailable["broken"] and MISSING in unavailable["broken"]
+    assert "Permission denied" in unavailable["denied"], unavailable["denied"]
     doctor, listed = cli("doctor"), cli("tools")
 
     def shown(text: str) -> bool:
-        return any("broken" in line and "No such file" in line for line in text.splitlines())
+        lines = text.splitlines()
+        return any("broken" in line and "No such file" in line for line in lines) and any(
+            "denied" in line and "Permission denied" in line for line in lines
+        )
 
     assert shown(doctor.stdout), doctor.stdout
     assert listed.returncode == 0 and "calc__add" in listed.stdout and shown(listed.stderr), listed.stderr
 
 
-def test_a_server_that_cannot_start_says_why(monkeypatch):
+def test_a_server_that_cannot_start_says_why(monkeypatch, capsys):
     """Issue 29: a stdio server that dies at start, or whose sandbox cannot be made (here a
     mount bubblewrap cannot make), fails the call with what it said on stderr (bubblewrap's
-    own message), not with the SDK's "Connection closed" alone."""
+    own message), not with the SDK's "Connection closed" alone; the worker's log (the host's
+    stderr) has that message once."""
     import uuid
 
     from worker import sandbox
@@ -504,6 +517,8 @@ def test_a_server_that_cannot_start_says_why(monkeypatch):
 
     error = first_call("basic")
     assert error.startswith("McpError") and marker in error, error
+    logged = capsys.readouterr().err  # the host's stderr: the worker's log
+    assert logged.count(marker) == 1, logged  # the server's own line, once
     if not sandbox.layers("bwrap")["bwrap"]:
         pytest.skip("bubblewrap does not work here: " + sandbox.host._host(probe=True).bwrap_error)
     missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
@@ -515,3 +530,5 @@ def test_a_server_that_cannot_start_says_why(monkeypatch):
     monkeypatch.setattr(sandbox.command, "_bwrap_argv", broken)
     error = first_call("bwrap")
     assert f"bwrap: Can't find source path {missing}" in error, error
+    logged = capsys.readouterr().err
+    assert logged.count(f"Can't find source path {missing}") == 1, logged

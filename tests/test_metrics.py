@@ -175,10 +175,10 @@ def test_the_observability_page_names_every_metric() -> None:
     assert counted | fleet == named
 
 
-def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec) -> None:
+def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec, capsys) -> None:
     """kombu's passive ``queue_declare`` asks ``EXISTS`` without the broker's key prefix, so
     it found no queue and doctor said 0 whatever waited: count the lists themselves."""
-    from orchestrator.doctor import diagnose
+    from orchestrator.doctor import diagnose, render
 
     d = deployment()  # no worker: what is sent stays queued
     keys, r = d.store.keys, d.store.redis
@@ -191,6 +191,10 @@ def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec) -> None:
         r.lpush(shared, "call-3")
         report = diagnose(d.store)
         assert report["queues"] == {keys.turn_queue: 2, keys.tool_queue: 3}  # the tools' own queues too
+        render(report)  # and as `tooloop doctor` prints them
+        printed = capsys.readouterr().out.splitlines()
+        assert f"queue {keys.turn_queue}: 2 waiting" in printed, printed
+        assert f"queue {keys.tool_queue}: 3 waiting" in printed, printed
         assert d.queued(keys.turn_queue) == 2  # worker.broker.queue_depths (the sweeper's, on AMQP)
     finally:
         r.delete(own, shared)

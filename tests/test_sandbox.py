@@ -410,13 +410,18 @@ def test_an_allowed_root_in_a_closed_home_works_under_bwrap(bwrap_layer: Layer, 
 
 def test_a_call_that_cannot_start_says_why(layer: Layer, monkeypatch, caplog) -> None:
     """A call whose sandbox fails before the tool runs (bubblewrap cannot make a mount, the
-    interpreter dies at start) is a ``SandboxError`` with the message of what failed, not
-    ``Crashed: tool process exited 1`` (which escape tests would take for "contained");
-    the worker's log says it once."""
-    if layer.name == "fork":
-        pytest.skip("a forked call reports its own start failures on its result pipe")
+    interpreter dies at start, a forked process cannot enter the run's folder) is a
+    ``SandboxError`` with the message of what failed, not ``Crashed: tool process exited
+    1`` (which escape tests would take for "contained"); the worker's log says it once."""
     missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
-    if layer.bwrap:
+    if layer.name == "fork":  # the forked process reports its own start failure on its result pipe
+        from worker.sandbox import child, spare
+
+        monkeypatch.setenv("TOOLOOP_SANDBOX_FORK_SERVER", "0")  # forked here, where the patch is
+        monkeypatch.setattr(spare, "_spares", {})  # (no spare forked before it)
+        monkeypatch.setattr(child, "_enter", lambda plan: os.chdir(missing))
+        expected = f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
+    elif layer.bwrap:
         bwrap_argv = sandbox.plan._bwrap_argv
 
         def broken(*args: Any) -> list[str]:  # a mount bubblewrap cannot make
@@ -434,6 +439,21 @@ def test_a_call_that_cannot_start_says_why(layer: Layer, monkeypatch, caplog) ->
         assert error.startswith("SandboxError") and expected in error, error
     logged = [r.getMessage() for r in caplog.records if expected in r.getMessage()]
     assert len(logged) == 1, logged
+
+
+def test_a_call_that_crashes_after_it_started_says_why(layer: Layer) -> None:
+    """Issue 29: a tool that started and then died (a segfault in C code) is not "exited N"
+    alone. In the exec layers the runner marks that the tool started and keeps the
+    interpreter's fatal-signal report (faulthandler): the error names the signal, Python's
+    fatal error and the tool's frame. A forked call (its stderr is /dev/null) names the signal."""
+    error = layer.call(hostile.segfault).error or ""
+    if layer.name == "fork":
+        assert error.startswith("Killed: tool process died on SIGSEGV"), error
+        return
+    said = "Crashed: tool process died on SIGSEGV: Fatal Python error: Segmentation fault"
+    assert error.startswith(said), error
+    assert 'hostile_tools.py", line' in error and "in segfault" in error, error
+    assert "could not start" not in error and "tooloop: the tool started" not in error, error
 
 
 def test_tmp_files_of_the_host_are_not_readable(layer: Layer) -> None:
@@ -677,6 +697,20 @@ def test_the_run_folder_has_a_disk_quota(layer: Layer) -> None:
     if layer.bwrap:  # its private /tmp is memory: no larger than the quota
         out = layer.ok(builtins.shell, run=run, sandbox_root=run, policy=policy, command="df -k /tmp|tail -1")
         assert out["stdout"].split()[1] == str(8 * 1024), out
+
+
+def test_what_a_given_folder_held_before_counts_into_its_quota(layer: Layer) -> None:
+    """Issue 29: a spec's own folder (a checkout under an allowed root) is the run's folder
+    with what it held before the run, and that content counts into ``max_disk_mb``
+    (docs/sandbox.md): 6 MiB already there leave a 4 MiB file no room under 8 MiB."""
+    folder = Path(allow_root(), f"checkout-{uuid.uuid4().hex[:6]}")
+    folder.mkdir()
+    (folder / "prior.bin").write_bytes(b"x" * (6 << 20))
+    policy = SandboxPolicy(max_disk_mb=8, max_file_mb=256)
+    error = layer.fails(hostile.big_file, run=str(folder), mb=4, policy=policy)
+    assert "File too large" in error and du(str(folder)) <= (8 << 20) + (1 << 16), (error, du(str(folder)))
+    os.unlink(folder / "big.bin")  # (cut at the room that was left: 2 MiB)
+    assert layer.ok(hostile.big_file, run=str(folder), mb=1, policy=policy) == 1  # that room is usable
 
 
 # -- killing the whole tree ---------------------------------------------------------------------

@@ -8,9 +8,11 @@
   re-enqueues the steps of runs whose worker was lost, aborts runs paused past
   ``pause_max_s``, and publishes the worker's tool catalog.
 
-Recovery bound: a step whose worker dies is noticed once its lease expires
-(``TOOLOOP_RECOVERY_S / 2`` after the last heartbeat) by the next sweep (every
-``TOOLOOP_RECOVERY_S / 12``), then re-enqueued: well under TOOLOOP_RECOVERY_S.
+Recovery bound R (``TOOLOOP_RECOVERY_S``): a step whose worker dies is noticed once
+its lease expires (R / 4 after the last heartbeat) by the next sweep (every R / 20), and
+sent again ahead of the work queued meanwhile (on Redis): under a third of R from the
+loss, the rest left for the queue, a worker's start and redoing the step
+(``orchestrator/settings.py``, docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -333,6 +335,23 @@ class Sweeper:
 
         metrics.count_recovery(dispatch.payload is None, int(dispatch.payload is not None))
         send(dispatch, self.celery)
+        self._ahead(dispatch)
+
+    def _ahead(self, dispatch: Dispatch) -> None:
+        """On a Redis broker, the message just sent goes to the end of its queue taken next:
+        its run has stood still a lease already, and must not wait again behind the work
+        queued meanwhile (RabbitMQ's quorum queues keep their order: there it waits its turn)."""
+        from worker.app import call_queue, call_task_id, turn_task_id
+
+        broker = self._broker_client()
+        if broker is None:
+            return
+        keys = self.store.keys
+        if dispatch.payload is None:
+            queue, task_id = keys.turn_queue, turn_task_id(dispatch.run_id, dispatch.iteration, dispatch.gen)
+        else:
+            queue, task_id = call_queue(keys, dispatch.payload), call_task_id(dispatch.payload, dispatch.gen)
+        self.store.jump(broker, keys.broker_prefix + queue, task_id)
 
     def _unreadable(self, run_id: str, exc: Exception) -> None:
         """A run the sweeper cannot read (corrupt state): ended on error, logged."""

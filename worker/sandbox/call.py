@@ -15,7 +15,7 @@ from typing import Any
 
 from worker.sandbox import reuse
 from worker.sandbox.child import _child, _facts
-from worker.sandbox.constants import EXIT_GRACE_S, MAX_RESULT_BYTES, TICK_S
+from worker.sandbox.constants import EXIT_GRACE_S, FAILED_START, MAX_RESULT_BYTES, STARTED_MARK, TICK_S
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError
 from worker.sandbox.plan import _Plan, _plan
 from worker.sandbox.quota import QUOTA_TICK_S, over_message
@@ -290,8 +290,13 @@ class _Reader:
 
 
 def _decode(reader: _Reader, status: int, layer: str, stderr: str = "") -> CallOutcome:
-    """The call's outcome. ``stderr``: what its process wrote before the runner took over
-    (exec layers): bubblewrap's or the interpreter's own message, so the tool never ran."""
+    """The call's outcome. ``stderr`` (exec layers): what its process wrote before the
+    runner took over (bubblewrap's or the interpreter's own message: the tool never ran),
+    then, once the runner marked that the tool started, the interpreter's report of a fatal
+    signal (faulthandler: the error and the tool's stack)."""
+    stderr, started, crash = stderr.partition(STARTED_MARK)
+    # a failed start's cause is at its end; a crash report's first lines name it and the tool's frame
+    stderr, crash = stderr.strip()[-MAX_SAID:], crash.strip()[:MAX_SAID]
     try:
         payload = reader.payload()
     except ValueError:  # a tool that wrote on the result pipe itself
@@ -299,33 +304,38 @@ def _decode(reader: _Reader, status: int, layer: str, stderr: str = "") -> CallO
     if payload is not None:
         if "ok" in payload:
             return CallOutcome(True, output=payload["ok"])
+        if payload.get(FAILED_START):  # the sandbox failed before the tool ran: say so once
+            _log_once(payload["error"])
         return CallOutcome(False, error=payload["error"])
     signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     if layer == "bwrap" and code > 128:  # bwrap exits 128 + the signal that killed the tool
         signum, code = code - 128, 0
     name = signal.Signals(signum).name if signum in set(signal.Signals) else str(signum)
-    if stderr:
-        how = f"died on {name}" if signum else f"exited {code}"
+    how = f"died on {name}" if signum else f"exited {code}"
+    if stderr and not started:
         error = f"SandboxError: the tool could not start in the {layer} sandbox ({how}): {stderr}"
         _log_once(error)
         return CallOutcome(False, error=error)
+    if crash:  # the tool started, then its process died: what the interpreter said of it
+        return CallOutcome(False, error=f"Crashed: tool process {how}: {crash}")
     if signum:
         return CallOutcome(False, error=f"Killed: tool process died on {name} (a limit?)")
     return CallOutcome(False, error=f"Crashed: tool process exited {code}")
 
 
-MAX_SAID = 2000  # characters of a failed start's message kept (its end: where the cause is)
+MAX_SAID = 2000  # characters kept of a failed start's message (its end) or of a crash report (its start)
 
 
 def _said(fd: int) -> str:
-    """What the call's process wrote on its stderr pipe before the runner closed it (the
-    pipe holds 64 KiB; the writer never blocks: its end is non-blocking)."""
+    """What the call's process wrote on its stderr pipe: before the runner closed it, and
+    the runner's crash report (the pipe holds 64 KiB; the writer never blocks: its end is
+    non-blocking). ``_decode`` keeps the end of each part."""
     data = b""
     with contextlib.suppress(BlockingIOError):
         while chunk := os.read(fd, 1 << 16):
             data += chunk
-    return data.decode(errors="replace").strip()[-MAX_SAID:]
+    return data.decode(errors="replace")
 
 
 _logged: set[str] = set()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from worker.sandbox.constants import MAX_RESULT_BYTES, RESULT_FD
+from worker.sandbox.constants import FAILED_START, MAX_RESULT_BYTES, RESULT_FD
 from worker.sandbox.context import SandboxError, jsonable
 from worker.sandbox.env import scrub
 from worker.sandbox.forget import forget_worker_state
@@ -71,10 +71,16 @@ def _child(plan: _Plan, facts: _Facts, fn: Callable[..., Any], kwargs: dict[str,
         else:
             _exec_runner(plan, facts, parent, stderr)
     except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+        _report_failed_start(exc)
     finally:
         os._exit(code)
+
+
+def _report_failed_start(exc: BaseException) -> None:
+    """The sandbox, not the tool, failed (the tool's own errors are ``_serve``'s): marked so
+    that the worker's log says it once (worker/sandbox/call.py ``_decode``)."""
+    with contextlib.suppress(BaseException):
+        _report({"error": f"SandboxError: {type(exc).__name__}: {exc}", FAILED_START: True})
 
 
 def _isolate(plan: _Plan, facts: _Facts, keep: tuple[int, ...] = ()) -> None:

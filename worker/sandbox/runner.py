@@ -14,12 +14,14 @@ from worker.sandbox.kernel import _landlock_apply, _seccomp_load
 
 
 def _runner_main() -> None:
+    import faulthandler
     import json  # noqa: F401  (before the drop: the call's uid may not read the stdlib)
     import os
     import pickle
     import sys
 
     null = os.open("/dev/null", os.O_RDWR)
+    crash = os.dup(2)  # the worker's pipe, kept for the interpreter's own report if the tool dies
     os.dup2(null, 2)  # what failed before this line (bwrap, the interpreter) is the worker's to read
     chunks = [os.read(0, 1 << 20)]
     while chunks[-1]:
@@ -42,8 +44,15 @@ def _runner_main() -> None:
         if request["chdir"]:  # under bwrap: the run's folder, entered as the call's uid
             os.chdir(request["chdir"])
     except BaseException as exc:
-        payload = {"error": f"SandboxError: cannot start the tool: {type(exc).__name__}: {exc}"}
+        payload = {
+            "error": f"SandboxError: cannot start the tool: {type(exc).__name__}: {exc}",
+            "failed_start": True,
+        }  # (constants.FAILED_START: this source imports nothing)
     if payload is None:
+        # From here what the pipe gets is the tool's crash, not a failed start (the worker
+        # splits on this mark: constants.STARTED_MARK): a fatal signal's report and traceback.
+        os.write(crash, b"\n[tooloop: the tool started]\n")
+        faulthandler.enable(file=crash)
         payload, code = _runner_call(fn, kwargs), 0
     _runner_report(payload)
     if request["drop"] and os.getuid() != 0:

@@ -9,7 +9,6 @@ to, do not import each other."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import pickle
@@ -28,6 +27,7 @@ from worker.sandbox.child import (
     _kill_own_uid,
     _limits,
     _report,
+    _report_failed_start,
     _run_tool,
     _serve,
 )
@@ -93,8 +93,7 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
             _again(plan)
         code = 0
     except BaseException as exc:
-        with contextlib.suppress(BaseException):
-            _report({"error": f"SandboxError: {type(exc).__name__}: {exc}"})
+        _report_failed_start(exc)
     finally:
         os._exit(code)
 
