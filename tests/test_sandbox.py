@@ -134,9 +134,8 @@ class Layer:
                                run_id=ctx.run_id, defer_cleanup=True)  # fmt: skip
         before = run_call(hostile.identity, {}, first)
         sandbox.settle()
-        assert before.ok, before
         if sandbox.spare._served.get(os.getpid()) is not None:  # only the fork server's spares stay
-            assert sandbox.reuse.kept_pid(ctx.run_id) == before.output["pid"], before
+            assert before.ok and sandbox.reuse.kept_pid(ctx.run_id) == before.output["pid"], before
         try:
             return run_call(fn, kwargs, ctx)
         finally:
@@ -415,11 +414,12 @@ def test_a_call_that_cannot_start_says_why(layer: Layer, monkeypatch, caplog) ->
     1`` (which escape tests would take for "contained"); the worker's log says it once."""
     missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
     if layer.name == "fork":  # the forked process reports its own start failure on its result pipe
-        from worker.sandbox import child, spare
+        from worker.sandbox import child, spare, spare_child
 
         monkeypatch.setenv("TOOLOOP_SANDBOX_FORK_SERVER", "0")  # forked here, where the patch is
         monkeypatch.setattr(spare, "_spares", {})  # (no spare forked before it)
         monkeypatch.setattr(child, "_enter", lambda plan: os.chdir(missing))
+        monkeypatch.setattr(spare_child, "_enter", lambda plan: os.chdir(missing))  # (a spare's too)
         expected = f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
     elif layer.bwrap:
         bwrap_argv = sandbox.plan._bwrap_argv
