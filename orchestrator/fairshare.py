@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_MS = 60_000  # the token share is measured over this sliding window
 BUCKET_MS = 10_000  # in buckets this long (scripts.PRELUDE: tenant_tokens)
-TOKENS_CACHE_S = 1.0  # a process reads the shards' token counts at most this often
+TOKENS_CACHE_S = 0.2  # a process reads the shards' token counts at most this often
 PUMP_MAX = 200  # runs one pump admits at most (the sweep pumps again)
 
 # KEYS: runs, active, tenants, seq, the tenant's queue. ARGV: run id, tenant, its cap (-1:
@@ -73,24 +73,24 @@ return 'w'
 
 # One run's move ('end': it ended; 'park': it gave its slot up; 'resume': it takes it back
 # at once, over its cap if need be: a person's resume is not queued), then the admissions
-# of waiting runs while slots are free: each goes to the tenant with the lowest
-# (tokens over the window + its active runs x the tokens one of its runs spends over the
-# window) / weight, ties to the run submitted first. The second term is what its runs are
-# about to spend: without it one pump would give every free slot to the tenant lowest at
-# its start; with it, at equilibrium each tenant's tokens follow its weight whatever its
-# runs' sizes.
+# of waiting runs while slots are free: each goes to the tenant with the lowest tokens /
+# weight, ties to the run submitted first. A tenant's tokens: those its runs recorded
+# over the window, plus a reply's worth (its runs' average) for each run holding a slot:
+# the reply each is about to bill. Without that term, a tenant whose runs are in flight
+# looks as cheap as before them, and takes every slot until their replies are billed.
 # KEYS: runs, active, tenants, the queue of each tenant named in ARGV.
 # ARGV: run id ('' none), how, total cap (-1 none), most to admit, then per tenant: name,
-# weight, cap (-1 none), tokens over the window
+# weight, cap (-1 none), tokens over the window, tokens of one of its replies (average)
 # -> {'need', tenant} (that tenant's queue is needed: call again with it)
 #  | {what the run was ('a'|'p'|'w'|''), {admitted run ids}, {tenants with runs waiting}}
 PUMP = """
 local RUNS, ACTIVE, TENANTS = KEYS[1], KEYS[2], KEYS[3]
 local run, how, total, most = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local list, by = {}, {}
-for i = 5, #ARGV, 4 do
+for i = 5, #ARGV, 5 do
   local e = {name = ARGV[i], weight = tonumber(ARGV[i + 1]), cap = tonumber(ARGV[i + 2]),
-             tokens = tonumber(ARGV[i + 3]), k = 4 + #list}  -- KEYS[e.k]: its queue
+             tokens = tonumber(ARGV[i + 3]), reply = tonumber(ARGV[i + 4]),
+             k = 4 + #list}  -- KEYS[e.k]: its queue
   list[#list + 1] = e
   by[e.name] = e
 end
@@ -119,18 +119,9 @@ if cur then
     redis.call('HSET', RUNS, run, 'a|' .. tenant)
   end
 end
-local all, spent = 0, 0
+local all = 0
 for _, v in ipairs(redis.call('HVALS', ACTIVE)) do all = all + tonumber(v) end
-for _, e in ipairs(list) do
-  e.n = tonumber(redis.call('HGET', ACTIVE, e.name)) or 0
-  spent = spent + e.tokens
-end
--- the tokens a run of each tenant spends over the window: its own runs' so far, else the
--- average active run's (at least 1: with no tokens yet, slots split by count and weight)
-local per_run = math.max(1, spent / math.max(1, all))
-for _, e in ipairs(list) do
-  e.rate = (e.tokens > 0 and e.n > 0) and e.tokens / e.n or per_run
-end
+for _, e in ipairs(list) do e.n = tonumber(redis.call('HGET', ACTIVE, e.name)) or 0 end
 local admitted = {}
 while #admitted < most and (total < 0 or all < total) do
   local best, best_score, best_seq
@@ -138,7 +129,7 @@ while #admitted < most and (total < 0 or all < total) do
     if e.cap < 0 or e.n < e.cap then
       local head = redis.call('ZRANGE', KEYS[e.k], 0, 0, 'WITHSCORES')
       if head[1] then
-        local score, seq = (e.tokens + e.n * e.rate) / e.weight, tonumber(head[2])
+        local score, seq = (e.tokens + e.n * e.reply) / e.weight, tonumber(head[2])
         if not best or score < best_score or (score == best_score and seq < best_seq) then
           best, best_score, best_seq = e, score, seq
         end
@@ -228,7 +219,7 @@ class FairShare:
         self._enqueue = store.redis.register_script(ENQUEUE)
         self._pump = store.redis.register_script(PUMP)
         self._waiting_tenants: set[str] = set()  # as the last pump saw them
-        self._tokens: tuple[float, dict[str, int]] = (-TOKENS_CACHE_S, {})
+        self._tokens: tuple[float, dict[str, int], dict[str, float]] = (-TOKENS_CACHE_S, {}, {})
         self._celery: Any = None
 
     @property
@@ -315,27 +306,30 @@ class FairShare:
 
     def _call_pump(self, run_id: str, how: str, tenants: list[str]) -> Any:
         k = self.keys
-        tokens = self.tokens_minute() if len(tenants) > 1 else {}
+        tokens, reply = self.tokens_minute() if len(tenants) > 1 else ({}, {})
+        usual = max(1.0, sum(reply.values()) / len(reply)) if reply else 1.0  # a tenant with none yet
         args: list[Any] = [run_id, how, self._total(), PUMP_MAX]
         for tenant in tenants:
-            args += [tenant, self.policy.weight(tenant), self.policy.cap(tenant), tokens.get(tenant, 0)]
+            args += [tenant, self.policy.weight(tenant), self.policy.cap(tenant), tokens.get(tenant, 0),
+                     reply.get(tenant, usual)]  # fmt: skip
         keys = [k.fair_runs(), k.fair_active(), k.fair_tenants(), *(k.fair_waiting(t) for t in tenants)]
         return self._pump(keys=keys, args=args)
 
     # -- tokens -----------------------------------------------------------------------
-    def tokens_minute(self) -> dict[str, int]:
-        """Tenant -> model tokens recorded over the last minute, summed over the shards
-        (read at most every TOKENS_CACHE_S by a process)."""
+    def tokens_minute(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Tenant -> model tokens recorded over the last minute, and -> tokens of one of its
+        replies (its average), summed over the shards (read at most every TOKENS_CACHE_S)."""
         if time.monotonic() - self._tokens[0] < TOKENS_CACHE_S:
-            return self._tokens[1]
-        minute, _ = self.read_tokens()
-        self._tokens = (time.monotonic(), minute)
-        return minute
+            return self._tokens[1], self._tokens[2]
+        minute, total, replies = self.read_tokens()
+        reply = {t: total[t] / n for t, n in replies.items() if n and t in total}
+        self._tokens = (time.monotonic(), minute, reply)
+        return minute, reply
 
-    def read_tokens(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(tokens over the last minute, tokens in all) per tenant. The window is the last
-        six 10 s buckets and the current one's part, weighted by how much of the oldest
-        bucket still lies inside the minute."""
+    def read_tokens(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(tokens over the last minute, tokens in all, replies in all) per tenant. The window
+        is the last six 10 s buckets and the current one's part, weighted by how much of the
+        oldest bucket still lies inside the minute."""
         now = self.store.time_ms()
         newest = now // BUCKET_MS
         oldest_part = 1.0 - (now % BUCKET_MS) / BUCKET_MS  # of bucket newest-6
@@ -344,24 +338,26 @@ class FairShare:
             pipe.hgetall(self.keys.tenant_tokens(shard))
         minute: dict[str, float] = {}
         total: dict[str, int] = {}
+        replies: dict[str, int] = {}
         for fields in pipe.execute():
             for raw_field, raw_value in fields.items():
                 tenant, _, bucket = _s(raw_field).rpartition("|")
                 value = int(raw_value)
-                if bucket == "total":
-                    total[tenant] = total.get(tenant, 0) + value
+                if bucket in ("total", "replies"):
+                    into = total if bucket == "total" else replies
+                    into[tenant] = into.get(tenant, 0) + value
                     continue
                 age = newest - int(bucket)
                 weight = 1.0 if age < 6 else oldest_part if age == 6 else 0.0
                 minute[tenant] = minute.get(tenant, 0.0) + value * weight
-        return {t: round(v) for t, v in minute.items()}, total
+        return {t: round(v) for t, v in minute.items()}, total, replies
 
     # -- what is shown ----------------------------------------------------------------
     def shares(self) -> list[TenantShare]:
         """Every tenant with a setting, a slot, a run waiting or tokens counted."""
         k, redis = self.keys, self.store.redis
         active = {_s(t): int(n) for t, n in redis.hgetall(k.fair_active()).items()}
-        minute, total = self.read_tokens()
+        minute, total, _ = self.read_tokens()
         names = (set(active) | {_s(t) for t in redis.smembers(k.fair_tenants())} | set(minute) | set(total)
                  | set(self.policy.weights) | set(self.policy.caps)) - {"*"}  # fmt: skip
         pipe = redis.pipeline(transaction=False)

@@ -222,6 +222,7 @@ local function tenant_tokens(tenant, n)
   local bucket = math.floor(NOW / 10000)
   redis.call('HINCRBY', TOKENS, tenant .. '|' .. int(bucket), n)
   redis.call('HINCRBY', TOKENS, tenant .. '|total', n)
+  redis.call('HINCRBY', TOKENS, tenant .. '|replies', 1)
   redis.call('HDEL', TOKENS, tenant .. '|' .. int(bucket - 7))  -- past the window
 end
 

@@ -150,6 +150,15 @@ def status(page: Any) -> Any:
     return page.locator("#header").get_by_test_id("run-status")
 
 
+def tab_to(page: Any, testid: str) -> None:
+    """Press Tab until the control ``testid`` has the focus: it is reachable by keyboard."""
+    for _ in range(60):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement?.dataset.testid") == testid:
+            return
+    raise AssertionError(f"{testid} cannot be reached with the keyboard")
+
+
 def _event_streams(page: Any) -> list[Any]:
     """The page's requests for a run's event stream, as they are made (filled in place)."""
     seen: list[Any] = []
@@ -311,24 +320,22 @@ def test_pause_steer_resume_and_the_model_sees_the_steer(
     page = acme
     page.goto(f"/runs/{handle.run_id}")
     expect(status(page)).to_have_text(re.compile("queued|running"))
-    for _ in range(40):  # keyboard only: Tab until the pause button has the focus, then Enter
-        page.keyboard.press("Tab")
-        if page.evaluate("document.activeElement.dataset.testid") == "pause":
-            break
-    else:
-        raise AssertionError("the pause button cannot be reached with the keyboard")
+    tab_to(page, "pause")  # keyboard only, every control of this test: Tab to it, then Enter
     page.keyboard.press("Enter")
     expect(status(page)).to_have_text("paused")
     expect(page.get_by_test_id("action-result")).to_contain_text("Paused")
     expect(page.get_by_test_id("resume")).to_be_enabled()
-    page.get_by_test_id("steer-input").fill("Use the blue door.")
-    page.get_by_test_id("steer-send").click()
+    tab_to(page, "steer-input")
+    page.keyboard.type("Use the blue door.")
+    tab_to(page, "steer-send")
+    page.keyboard.press("Enter")
     expect(page.get_by_test_id("action-result")).to_contain_text("Steer queued")
     expect(page.get_by_test_id("steer-input")).to_have_value("")
     reply.set()  # the reply is recorded; its call waits for resume
     expect(page.get_by_test_id("turn")).to_have_count(1)
     assert handle.status() == "paused"
-    page.get_by_test_id("resume").click()
+    tab_to(page, "resume")
+    page.keyboard.press("Enter")
     expect(status(page)).to_have_text("completed")
     expect(page.locator("#turn-2 .guidance")).to_have_text("Use the blue door.")
     expect(page.locator("#timeline")).to_contain_text("pause by console:acme")
@@ -369,7 +376,8 @@ def test_approve_shows_inputs_first_and_a_denial_reaches_the_model(
     expect(tool_call(page, "g1").locator(".inputs")).to_contain_text("ship it")  # inputs before deciding
     expect(tool_call(page, "g2").locator(".inputs")).to_contain_text("drop tables")
     expect(tool_call(page, "g1")).to_have_attribute("data-success", "pending")
-    approve.click()
+    tab_to(page, "approve-g1")  # by keyboard
+    page.keyboard.press("Enter")
     expect(tool_call(page, "g1")).to_have_attribute("data-success", "true")
     tool_call(page, "g2").get_by_label("Reason").fill("not on a Friday")
     deny.click()
@@ -409,9 +417,12 @@ def test_abort_asks_first_csrf_and_tenants(acme, globex, spec, client, worker, h
     dialog.get_by_role("button", name="Cancel").click()
     expect(dialog).to_be_hidden()
     assert handle.status() != "aborted"
-    page.get_by_test_id("abort").click()
-    page.get_by_role("dialog").get_by_label("Reason").fill("not needed any more")
-    page.get_by_test_id("abort-confirm").click()
+    tab_to(page, "abort")  # by keyboard: the dialog takes the focus, its reason first
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("dialog").get_by_label("Reason")).to_be_focused()
+    page.keyboard.type("not needed any more")
+    tab_to(page, "abort-confirm")
+    page.keyboard.press("Enter")
     expect(status(page)).to_have_text("aborted")
     assert handle.result().exit == "aborted"
     expect(page.locator("#timeline .n-control")).to_contain_text("abort by console:acme")  # in place

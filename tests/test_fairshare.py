@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -80,10 +81,16 @@ def test_a_cap_holds_under_concurrent_submits_and_waiting_runs_start_in_order(de
         assert [e.type for e in d.store.read_events(run_id)] == ["queued", "waiting"]
 
     d.start_worker()
+    seen, deadline = [waiting], time.monotonic() + 120  # the queue as it shrinks: from its head only
+    while seen[-1] and time.monotonic() < deadline:
+        now = fair_state(d)[1]
+        if now != seen[-1]:
+            seen.append(now)
+        time.sleep(0.01)
+    assert all(now == waiting[len(waiting) - len(now):] for now in seen), seen
     results = {r: d.client.get(r).wait(timeout=120) for r in run_ids}
     assert all(res.status == Status.completed and res.status_reason is None for res in results.values())
-    admitted = {r: next(e for e in d.store.read_events(r) if e.type == "admitted").ts for r in waiting}
-    assert [admitted[r] for r in waiting] == sorted(admitted.values())  # in the order they waited
+    assert all(any(e.type == "admitted" for e in d.store.read_events(r)) for r in waiting)
     spans = [(int(d.store.state(r)["started_at"]), int(d.store.state(r)["ended_at"])) for r in run_ids]
     most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
     assert most <= 2, f"{most} runs of a tenant capped at 2 ran at once"
@@ -100,7 +107,8 @@ def test_a_paused_run_frees_its_slot_and_takes_it_back_on_resume(deployment, spe
     assert second.result().status_reason == "waiting_share"
     assert first.pause() == "ok"  # its slot goes to the run that waited
     assert second.wait(timeout=60).content == "second"
-    assert fair_state(d)[0] == {} and first.status() == Status.paused
+    wait_for(lambda: fair_state(d)[0] == {}, timeout=15)  # its end gave the slot back
+    assert first.status() == Status.paused
     assert first.resume() == "ok"  # it takes its slot back at once
     assert fair_state(d)[0] == {"acme": 1}
     held.set()
