@@ -32,16 +32,11 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
         url = private_redis(stack)
     elif not redis_answers(url):
         url = stack.enter_context(embedded_redis())
-    sandbox_root = tempfile.mkdtemp(prefix="tooloop-bench-")
-    # Removed at the end: each run folder holds a host-wide run group (worker/sandbox/folders.py)
-    # until it is gone, and a bench of 4,000 runs left behind made every other sandboxed call
-    # on the host fail ("no free run group").
-    stack.callback(shutil.rmtree, sandbox_root, ignore_errors=True)
     env = {
         "TOOLOOP_REDIS_URL": url,
         "TOOLOOP_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:8]}",
         "TOOLOOP_TOOLS": tools,
-        "TOOLOOP_SANDBOX_ROOT": sandbox_root,
+        "TOOLOOP_SANDBOX_ROOT": (sandbox_root := tempfile.mkdtemp(prefix="tooloop-bench-")),
         "OPENAI_API_KEY": "scripted",
         # The scripted model's endpoint, on a port chosen now: the workers' key may go there.
         "TOOLOOP_BENCH_MODEL_PORT": str(port := free_port()),
@@ -51,6 +46,8 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
     stack.callback(_cleanup, url, env["TOOLOOP_KEY_PREFIX"])
+    # The runs' folders go with the bench: each kept its run group on the host until removed.
+    stack.callback(shutil.rmtree, sandbox_root, ignore_errors=True)
     return env
 
 

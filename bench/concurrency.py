@@ -49,6 +49,7 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
                                        "--nonblocking", "--gil", "--format", "raw", "-o",
                                        str(cpu_per_turn.RAW / f"profile-conc{runs}-producer.txt")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+    own0 = os.times()
     started = time.time()
     handles = [client.submit(spec) for _ in range(runs)]
     submitted = time.time() - started
@@ -59,6 +60,8 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
         paths = sorted(cpu_per_turn.RAW.glob(f"profile-conc{runs}-*.txt"))
         publish("profile_shares_concurrency", [line for p in paths for line in summary(str(p), p.stem)])
     cpu = procs.cpu_of_tree(worker_pid) + (procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0) - cpu0
+    own1 = os.times()
+    producer = own1.user - own0.user + own1.system - own0.system  # this process: producer + model server
     store = client.store
     ended = [int(store.redis.hget(store.keys.run(h.run_id), "ended_at")) / 1000 for h in handles]
     ok = sum(r.status == "completed" for r in results)
@@ -76,7 +79,22 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
         f"    model calls in flight, peak  {peak}   (of {runs}: how many calls overlapped)",
         f"    CPU, all processes  {cpu / (runs * turns) * 1000:7.2f} ms per turn, "
         f"{cpu / wall:.2f} of {os.cpu_count()} cores busy on average",
+        f"    CPU, this producer and the scripted model  {producer / wall:.2f} cores on average",
+        *waves(model_server.calls(spec["model"]), started, delay),
     ]  # fmt: skip
+
+
+def waves(requests: list[dict], since: float, delay: float) -> list[str]:
+    """When each turn's model requests arrived, from the first submit: ideally all of
+    turn k at (k - 1) x delay; the spread is the submits (turn 1) or the turns and tool
+    calls the workers had to get through after the previous wave of replies."""
+    by_turn: dict[int, list[float]] = {}
+    for r in requests:
+        if r["_received"] >= since:
+            turn = 1 + sum(1 for m in r.get("messages", []) if m.get("role") == "assistant")
+            by_turn.setdefault(turn, []).append(r["_received"] - since)
+    return [f"    model requests of turn {k}: +{min(t):.2f} s to +{max(t):.2f} s (median "
+            f"+{statistics.median(t):.2f}; ideal +{(k - 1) * delay:g})" for k, t in sorted(by_turn.items())]
 
 
 def peak_in_flight(requests: list[dict], delay: float, since: float) -> int:

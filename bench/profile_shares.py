@@ -17,6 +17,7 @@ SUSPECTS: list[tuple[str, tuple[str, ...]]] = [
     ("sandbox fork / spare", ("worker/sandbox",)),
     ("litellm cost calculation", ("cost_calculator", "completion_cost", "_response_cost")),
     ("litellm logging hooks", ("litellm_logging", "litellm/integrations", "Logging.")),
+    ("model call, direct route (aiohttp)", ("worker/openai_route", "aiohttp/")),
     ("litellm + openai + httpx (rest)", ("litellm/", "openai/", "httpx/", "httpcore/")),
     ("telemetry / metrics",
      ("worker/observe", "orchestrator/telemetry", "orchestrator/metrics", "prometheus")),

@@ -298,3 +298,39 @@ def open_until_refused(limit: int = 5000) -> dict:
 def probe_strict(targets: dict) -> dict:
     """A hostile tool's attempts, in a fresh interpreter (tests/sandbox_probe.py)."""
     return battery(targets)
+
+
+_leaked: list[Any] = []  # what a call leaves in its process for the next one
+
+
+@_both
+def leave_thread(seconds: float) -> int:
+    """Start a thread that outlives the call (its process must not serve another)."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(seconds,), daemon=True).start()
+    return os.getpid()
+
+
+@_both
+def leak_file(name: str) -> int:
+    """Open a file in the run's folder and keep it open after the call."""
+    _leaked.append(open(name, "w"))  # noqa: SIM115
+    return os.getpid()
+
+
+@_both
+def wander(value: str) -> dict:
+    """Leave the run's folder and change the environment: the next call must not see either."""
+    seen = {"pid": os.getpid(), "cwd": os.getcwd(), "env": os.environ.get("WANDERED")}
+    os.chdir("/")
+    os.environ["WANDERED"] = value
+    os.umask(0o000)
+    return seen
+
+
+@_both
+def hold_memory(mb: int) -> int:
+    """Keep ``mb`` MiB (touched) in the process after the call."""
+    _leaked.append(b"x" * (mb << 20))
+    return os.getpid()

@@ -41,6 +41,18 @@ def effects(run_id: str) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def fork_servers(worker) -> int:
+    """The sandbox fork servers (worker/sandbox/zygote.py) running in ``worker``'s process group."""
+    group, count = os.getpgid(worker.proc.pid), 0
+    for entry in Path("/proc").iterdir():
+        try:
+            ours = entry.name.isdigit() and os.getpgid(int(entry.name)) == group
+            count += ours and b"tooloop sandbox fork server" in (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+    return count
+
+
 def long_run(spec) -> dict:
     steps = []
     for i in range(TURNS):
@@ -57,7 +69,11 @@ def test_no_stall_exceeds_the_bound_under_kills_and_a_partition(deployment, spec
     still longer than R around it. Every run completes, each effect once."""
     d = deployment(TOOLOOP_RECOVERY_S=str(int(RECOVERY_S)))
     assert (d.settings.lease_s, d.settings.sweep_interval_s) == (3.0, 0.5)
-    first, second, _ = d.start_workers(3, "-c", "2")
+    workers = d.start_workers(3, "-c", "2")
+    # each tool pool process starts its fork server as it starts: a replacement's first calls
+    # do not wait for one (cold, they took 10-30 s on this box, and a re-sent step with them)
+    wait_for(lambda: [fork_servers(w) for w in workers] == [2, 2, 2], timeout=60)
+    first, second, _ = workers
     handles = [d.client.submit(long_run(spec)) for _ in range(6)]
     wait_for(lambda: all(h.status() == Status.running for h in handles), timeout=30)
     time.sleep(1.0)

@@ -106,6 +106,7 @@ class Layer:
     name: str  # fork | exec | bwrap
     mode: str  # TOOLOOP_SANDBOX
     strict: bool
+    reuse: bool = False  # fork: the call runs in a process that served the run's previous call
 
     @property
     def bwrap(self) -> bool:
@@ -114,12 +115,32 @@ class Layer:
     def call(self, fn: Callable[..., Any], run: str | None = None, timeout: float = 30,
              policy: SandboxPolicy | None = None, on_tick: Callable[[], bool] | None = None,
              allow: tuple[str, ...] | None = None, **kwargs: Any) -> CallOutcome:  # fmt: skip
+        run = run or new_run()
         ctx = SandboxContext(
-            workdir=run or new_run(), timeout_s=timeout, policy=policy or SandboxPolicy(),
+            workdir=run, timeout_s=timeout, policy=policy or SandboxPolicy(),
             on_tick=on_tick or (lambda: True), strict=self.strict, mode=self.mode,
             sandbox_root=runs_root(), allow=allow,
         )  # fmt: skip
-        return run_call(fn, kwargs, ctx)
+        if not (self.reuse and os.path.dirname(os.path.abspath(run)) == runs_root() and IS_ROOT):
+            return run_call(fn, kwargs, ctx)
+        return self.reused(fn, kwargs, ctx)
+
+    @staticmethod
+    def reused(fn: Callable[..., Any], kwargs: dict[str, Any], ctx: SandboxContext) -> CallOutcome:
+        """As the worker runs a run's calls (reuse on): a first call of the run, then this
+        one, in the process that served the first; then the run's process is let go."""
+        ctx.run_id, ctx.defer_cleanup = os.path.basename(ctx.workdir), True
+        first = SandboxContext(ctx.workdir, 30, ctx.policy, mode=ctx.mode, sandbox_root=ctx.sandbox_root,
+                               run_id=ctx.run_id, defer_cleanup=True)  # fmt: skip
+        before = run_call(hostile.identity, {}, first)
+        sandbox.settle()
+        if sandbox.spare._served.get(os.getpid()) is not None:  # only the fork server's spares stay
+            assert before.ok and sandbox.reuse.kept_pid(ctx.run_id) == before.output["pid"], before
+        try:
+            return run_call(fn, kwargs, ctx)
+        finally:
+            sandbox.settle()
+            sandbox.reuse.forget(ctx.run_id)
 
     def ok(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         outcome = self.call(fn, **kwargs)
@@ -140,13 +161,16 @@ def started(outcome: CallOutcome) -> bool:
     return outcome.ok or not (outcome.error or "SandboxError").startswith("SandboxError")
 
 
-@pytest.fixture(params=[("fork", "basic", False), ("exec", "basic", True), ("bwrap", "bwrap", True)],
-                ids=["fork", "exec", "bwrap"])  # fmt: skip
+@pytest.fixture(params=[("fork", "basic", False, False), ("fork", "basic", False, True),
+                        ("exec", "basic", True, False), ("bwrap", "bwrap", True, False)],
+                ids=["fork", "fork-reused", "exec", "bwrap"])  # fmt: skip
 def layer(request: pytest.FixtureRequest) -> Layer:
-    name, mode, strict = request.param
+    name, mode, strict, reuse = request.param
     if name == "bwrap" and not BWRAP:
         pytest.skip(NO_BWRAP)
-    return Layer(name, mode, strict)
+    if reuse and not IS_ROOT:
+        pytest.skip("a process serves several calls of a run only under a uid of its own (root worker)")
+    return Layer(name, mode, strict, reuse)
 
 
 @pytest.fixture
@@ -390,11 +414,12 @@ def test_a_call_that_cannot_start_says_why(layer: Layer, monkeypatch, caplog) ->
     1`` (which escape tests would take for "contained"); the worker's log says it once."""
     missing = f"/nonexistent-{uuid.uuid4().hex[:6]}"
     if layer.name == "fork":  # the forked process reports its own start failure on its result pipe
-        from worker.sandbox import child, spare
+        from worker.sandbox import child, spare, spare_child
 
         monkeypatch.setenv("TOOLOOP_SANDBOX_FORK_SERVER", "0")  # forked here, where the patch is
         monkeypatch.setattr(spare, "_spares", {})  # (no spare forked before it)
         monkeypatch.setattr(child, "_enter", lambda plan: os.chdir(missing))
+        monkeypatch.setattr(spare_child, "_enter", lambda plan: os.chdir(missing))  # (a spare's too)
         expected = f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
     elif layer.bwrap:
         bwrap_argv = sandbox.plan._bwrap_argv
@@ -1225,15 +1250,21 @@ def _idle_spares(worker: WorkerProcess) -> list[int]:
     return [int(pid) for pid, ppid, _ in rows if int(ppid) in servers]
 
 
-def test_e2e_each_call_gets_a_fresh_process_even_from_a_spare(sbx, spec) -> None:
-    """Spares take the fork off the hot path; still one process (and uid) per call, and a
-    spare killed from outside only costs the next call an on-demand fork."""
-    steps = [{"tool_calls": [tool_call("identity")]}] * 3 + [{"content": "done"}]
-    result = sbx.client.submit(spec(steps, tools=["identity"])).wait(timeout=60)
-    seen = [r.output for r in result.tool_calls]
-    assert len({o["pid"] for o in seen}) == 3
+def test_e2e_a_runs_calls_share_its_process_two_runs_never_do(sbx, spec) -> None:
+    """A process may serve several calls of one run, one at a time (worker/sandbox/reuse.py):
+    4 calls over 2 pool processes take at most 2 processes; each process keeps one uid of
+    its own; two runs never share a process or a uid. A spare or kept process killed from
+    outside only costs the next call a fresh one."""
+    steps = [{"tool_calls": [tool_call("identity")]}] * 4 + [{"content": "done"}]
+    handles = [sbx.client.submit(spec(steps, tools=["identity"])) for _ in range(2)]
+    seen = [[r.output for r in handle.wait(timeout=60).tool_calls] for handle in handles]
+    pids = [{o["pid"] for o in run} for run in seen]
+    assert not pids[0] & pids[1], pids
     if IS_ROOT:
-        assert len({o["uid"] for o in seen}) == 3 and all(o["uid"] >= sandbox.UID_BASE for o in seen)
+        assert all(len(run_pids) <= 2 for run_pids in pids), pids  # the pool has 2 processes
+        uids = [{o["uid"] for o in run} for run in seen]
+        assert not uids[0] & uids[1] and all(u >= sandbox.UID_BASE for run in uids for u in run)
+        assert all(len({(o["pid"], o["uid"]) for o in run}) == len({o["pid"] for o in run}) for run in seen)
     spares = _idle_spares(sbx.worker)
     assert spares, "no spare waiting after calls on a fork layer"
     for pid in spares:
@@ -1406,6 +1437,48 @@ def test_a_wrapped_group_counter_skips_groups_in_use(tmp_path: Path, monkeypatch
     finally:
         sandbox.folders._state_dir.cache_clear()
         sandbox.folders._prepared.clear()
+
+
+@needs_root
+def test_a_group_counter_that_went_back_goes_past_the_groups_in_use(tmp_path: Path, monkeypatch) -> None:
+    """A worker killed between the old counter's truncate and its write left it empty: the
+    next runs took groups from 1 again, climbed through the freed ones and, behind more
+    than MAX_GID_PROBES groups in use, every new run failed 'no free run group' (seen on
+    this host after a chaos bench: 14,000 bench folders ahead of the counter)."""
+    state = tmp_path / "state"
+    monkeypatch.setattr(sandbox.folders, "STATE_DIR", str(state))
+    monkeypatch.setattr(sandbox.folders, "MAX_GID_PROBES", 3)
+    sandbox.folders._state_dir.cache_clear()
+    root = tmp_path / "runs"
+    try:
+        def new_run(name: str) -> tuple[SandboxContext, Path]:
+            folder = root / name
+            return SandboxContext(str(folder), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic",
+                                  run_id=name), folder  # fmt: skip
+
+        gids = []
+        for i in range(5):  # a row of 5 groups in use, longer than the probes allowed
+            ctx, folder = new_run(f"old{i}")
+            assert run_call(hostile.identity, {}, ctx).ok
+            gids.append(folder.stat().st_gid)
+        assert gids == [sandbox.constants.GID_BASE + n for n in range(1, 6)]
+        counter = state / "gid-counter"
+        assert counter.read_text().strip() == "5" and len(counter.read_bytes()) == 17  # fixed width
+        for behind in ("", "0\n", "garbled"):
+            counter.write_text(behind)
+            ctx, folder = new_run(f"new-{len(behind)}")
+            outcome = run_call(hostile.identity, {}, ctx)
+            assert outcome.ok, outcome
+            assert folder.stat().st_gid > max(gids)  # past the row, no group shared
+            gids.append(folder.stat().st_gid)
+        uids = state / "uid-counter"
+        uids.write_text("garbled")  # a random block then, never the first one again
+        sandbox.folders._uid_blocks.clear()
+        assert sandbox.folders.next_uid(str(root)) > sandbox.constants.UID_BASE + sandbox.constants.UID_BLOCK
+    finally:
+        sandbox.folders._state_dir.cache_clear()
+        sandbox.folders._prepared.clear()
+        sandbox.folders._uid_blocks.clear()
 
 
 # -- issue 12: the hostile suite inside a Docker-default-like seccomp profile ---------------------

@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from celery import signals
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
@@ -25,6 +26,14 @@ from worker.sandbox import CallOutcome, SandboxContext, run_call, settle
 log = get_task_logger(__name__)
 
 LOST = "WorkerLost: the worker running this call was lost; its outcome is unknown"
+
+
+@signals.worker_process_init.connect
+def _start_fork_server(**_: Any) -> None:
+    """Each tool pool process starts its sandbox fork server as it starts, not at its first call."""
+    from worker.sandbox import zygote
+
+    zygote.start_early()
 
 
 @app.task(name=TOOL_TASK)

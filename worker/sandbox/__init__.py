@@ -24,14 +24,16 @@ the deadline or when ``on_tick`` says the run is over.
 Modules, in the order a call meets them: ``plan`` (its layer, folder, environment and
 bwrap command line, from ``host`` and ``folders``), ``call`` (the worker's side: start,
 watch, kill, reap, decode), ``child`` (the call's own process), ``runner`` (the exec
-layers' fresh interpreter), ``spare`` (the next call's process, forked ahead; ``spare_child``:
-that process's own side), ``zygote`` (the fork server that forks it, so that the worker
-does not), ``reaper`` (orphans and uids), ``kernel`` (Landlock and seccomp), ``quota`` (the
-run folder's disk quota), ``env`` (the environment allowlist), ``forget`` (what a forked
-call drops of the worker's state); ``constants``, ``context``, ``paths`` and ``libc`` hold
-what they say.
+layers' fresh interpreter), ``spare`` (the next call's process, forked ahead;
+``spare_child``: that process's own side), ``reuse`` (a spare kept for the run's next
+call), ``zygote`` (the fork server that forks it, so that the worker does not),
+``reaper`` (orphans and uids), ``kernel`` (Landlock and seccomp), ``quota`` (the run
+folder's disk quota), ``env`` (the environment allowlist), ``forget`` (what a forked
+call drops of the worker's state); ``constants``, ``context``, ``paths`` and ``libc``
+hold what they say.
 """
 
+from worker.sandbox import reuse
 from worker.sandbox.call import run_call
 from worker.sandbox.command import Command, sandboxed_command
 from worker.sandbox.constants import MODES, UID_BASE, UID_SPAN
@@ -51,6 +53,7 @@ __all__ = [
     "jsonable",
     "layer_reasons",
     "layers",
+    "reuse",
     "run_call",
     "sandboxed_command",
     "settle",

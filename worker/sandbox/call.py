@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker.sandbox import reuse
 from worker.sandbox.child import _child, _facts
 from worker.sandbox.constants import EXIT_GRACE_S, FAILED_START, MAX_RESULT_BYTES, STARTED_MARK, TICK_S
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError
@@ -60,7 +61,7 @@ class _Call:
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> CallOutcome:
         _become_subreaper()
-        spare = _take_spare(fn, kwargs, self.plan)
+        spare = _take_spare(fn, kwargs, self.plan, self.ctx.run_id, self.ctx.defer_cleanup)
         before = set() if self.root else set(_children()) - {spare.pid if spare else 0}
         if spare is not None:
             self.pid, read_fd, self.spare = spare.pid, spare.result_fd, spare
@@ -74,7 +75,13 @@ class _Call:
             pidfd = _pidfd(self.pid)
             stopped = self._watch(read_fd, pidfd, reader)
         finally:
-            if self.ctx.defer_cleanup and stopped is None and reader.complete and not self.exited:
+            if stopped is None and not self.exited and self._stays(reader):
+                # It served the call cleanly and may serve the run's next one (reuse.py).
+                if pidfd is not None:
+                    os.close(pidfd)
+                assert self.spare is not None and self.ctx.run_id is not None
+                reuse.keep(self.ctx.run_id, self.plan, self.spare)
+            elif self.ctx.defer_cleanup and stopped is None and reader.complete and not self.exited:
                 # The hot path: the result is in; its process ends off the critical path.
                 _pending.append(lambda: self._cleanup(read_fd, pidfd, reader, before, None))
             else:
@@ -85,6 +92,16 @@ class _Call:
         if stopped:
             return CallOutcome(False, error=stopped)
         return _decode(reader, status, self.plan.layer, stderr)
+
+    def _stays(self, reader: _Reader) -> bool:
+        """Its process reported and said it may serve another call of the run (reuse.py)."""
+        if self.spare is None or not self.spare.reusable or not reader.complete:
+            return False
+        try:
+            payload = reader.payload()
+        except ValueError:
+            return False
+        return isinstance(payload, dict) and payload.get("stay") is True
 
     def _fork(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int | CallOutcome:
         """Fork the call's process now (no spare): its result pipe, or why it failed."""

@@ -208,15 +208,19 @@ def _drop(uid: int, gid: int) -> None:
 
 
 def _serve(plan: _Plan, fn: Callable[..., Any], kwargs: dict[str, Any]) -> int:
-    forget_worker_state()  # a copy of the worker's heap: its settings, clients and keys dropped
-    try:
-        payload = {"ok": jsonable(fn(**kwargs))}
-    except BaseException as exc:  # the model sees every failure, whatever its type
-        payload = {"error": f"{type(exc).__name__}: {exc}"}
+    payload = _run_tool(fn, kwargs)
     if plan.gid is not None:
         _kill_own_uid()  # first: when the worker reads the result, nothing else runs
     _report(payload)
     return 0
+
+
+def _run_tool(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    forget_worker_state()  # a copy of the worker's heap: its settings, clients and keys dropped
+    try:
+        return {"ok": jsonable(fn(**kwargs))}
+    except BaseException as exc:  # the model sees every failure, whatever its type
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _kill_own_uid() -> None:

@@ -1,8 +1,9 @@
 """Spare processes: the fork, off the hot path, and away from the worker.
 
 A spare is a process forked ahead of its call (detached: own session, no inherited
-descriptors) that waits for exactly one call, then confines itself as a fresh fork
-would. One process per call, as before.
+descriptors) that waits for its call, then confines itself as a fresh fork would. A
+fork server's spare may then serve the same run's next calls (``reuse.py``); otherwise
+one process per call, as before.
 
 Where the tool is one the pool process's fork server (``worker/sandbox/zygote.py``)
 imported, the server forks the spares: the worker itself never forks per call, which
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.sandbox import zygote
+from worker.sandbox import reuse, zygote
 from worker.sandbox.child import _limits
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.plan import _Plan
@@ -48,6 +49,7 @@ class _Spare:
     result_fd: int  # the call's framed JSON result comes back here
     kept: tuple[int, ...] = ()  # Landlock network rulesets it inherited (built once per process)
     server: Zygote | None = None  # forked by this process's fork server, not by this process
+    reusable: bool = False  # its request pipe stays open: it may serve the run's next call (reuse.py)
 
     def wait(self) -> int:
         """Its exit status (it must be ending): reaped here, or by the fork server."""
@@ -70,7 +72,8 @@ class _Spare:
             while view:
                 view = view[os.write(self.request_fd, view) :]
         finally:
-            os.close(self.request_fd)
+            if not self.reusable:
+                os.close(self.request_fd)
 
     def discard(self) -> None:
         for fd in (self.request_fd, self.result_fd):
@@ -92,9 +95,10 @@ _served: dict[int, Zygote | None] = {}  # pool process pid -> the fork server it
 
 
 def settle() -> None:
-    """After a call's result is recorded: reap what the call left, and fork the next
-    call's process now rather than when that call arrives."""
+    """After a call's result is recorded: reap what the call left, end the kept processes
+    no longer used, and fork the next call's process now rather than when that call arrives."""
     _run_pending()
+    reuse.expire()
     if os.getpid() in _spare_wanted and os.getpid() not in _spares:
         try:
             _spares[os.getpid()] = _spawn_spare(_served.get(os.getpid()))
@@ -112,8 +116,10 @@ def _run_pending() -> None:
             log.exception("sandbox: cleaning up after a call failed")
 
 
-def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> _Spare | None:
-    """This process's spare, with the call sent to it; None: fork on demand."""
+def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan,
+                run_id: str | None = None, deferred: bool = False) -> _Spare | None:  # fmt: skip
+    """This process's spare (or the run's kept process), with the call sent to it; None:
+    fork on demand. ``deferred``: the caller settles later (a kept process may stay)."""
     if plan.layer != "fork":
         return None
     name = _registered_name(fn)
@@ -122,13 +128,22 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
     _served[os.getpid()] = server
     if server is not None:  # a spare from the fork server: cheap for this process, always kept
         _spare_wanted.add(os.getpid())
+        may_stay = reuse.allowed(run_id, plan, deferred)
+        kept = reuse.take(run_id, plan, server) if may_stay else None
+        if kept is not None:
+            try:
+                kept.send((plan, None, name, kwargs, True))
+                return kept
+            except OSError:  # it died meanwhile: a fresh one
+                kept.discard()
         spare = _spares.pop(os.getpid(), None)
         if spare is not None and spare.server is not server:
             spare.discard()
             spare = None
         try:
             spare = spare or _spawn_spare(server)
-            spare.send((plan, None, name, kwargs))
+            spare.reusable = may_stay
+            spare.send((plan, None, name, kwargs, may_stay))
         except OSError:  # it died meanwhile, or the server did: fork here
             if spare is not None:
                 spare.discard()
@@ -144,7 +159,7 @@ def _take_spare(fn: Callable[..., Any], kwargs: dict[str, Any], plan: _Plan) -> 
         return None
     limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
     try:
-        spare.send((plan, limits, name, kwargs))
+        spare.send((plan, limits, name, kwargs, False))
     except OSError:  # it died meanwhile (killed from outside?)
         spare.discard()
         return None

@@ -1,6 +1,7 @@
 """A spare process's own side: forked (by the worker, or by its fork server) ahead of its
-call, it detaches, waits for exactly one call on REQUEST_FD, then confines itself as a
-fresh fork would (environment, folder, limits, uid) and serves it.
+call, it detaches, waits for its call on REQUEST_FD, then confines itself as a fresh fork
+would (environment, folder, limits, uid) and serves it. Where the worker allows it
+(``reuse.py``), it then waits for the same run's next call, as long as each call ends clean.
 
 Apart from ``spare.py`` (the worker's side: when to keep a spare, handing it a call) so
 that the fork server (``zygote.py``), which forks spares, and ``spare.py``, which asks it
@@ -11,7 +12,10 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import resource
 import signal
+import threading
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from worker.sandbox.child import (
@@ -20,14 +24,19 @@ from worker.sandbox.child import (
     _enter,
     _Facts,
     _handlers,
+    _kill_own_uid,
     _limits,
+    _report,
     _report_failed_start,
+    _run_tool,
     _serve,
 )
 from worker.sandbox.constants import REQUEST_FD, RESULT_FD
 from worker.sandbox.env import _clearenv
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
+
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
@@ -60,14 +69,29 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
         if request is None:  # the worker went away (or changed its mind)
             code = 0
             return
-        plan, limits, name, kwargs = request
+        plan, limits, name, kwargs, may_stay = request
+        if not may_stay:
+            os.close(REQUEST_FD)
         from worker.registry import REGISTRY
 
         if limits is None:  # a fork server's spare: limits on its own address space
             limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
         _enter(plan)
+        if may_stay:  # every process the calls start is its child, even once orphaned
+            _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _confine(plan, _Facts(facts.fds, [], limits), parent, drop=plan.gid is not None)
-        code = _serve(plan, REGISTRY[name].fn, kwargs)
+        if not may_stay:
+            code = _serve(plan, REGISTRY[name].fn, kwargs)
+            return
+        pipes = _State.now()
+        while _serve_and_stay(plan, REGISTRY[name].fn, kwargs, may_stay, pipes):
+            request = _read_request()
+            if request is None:  # no longer kept (reuse.py), or the worker is gone
+                code = 0
+                return
+            plan, _, name, kwargs, may_stay = request
+            _again(plan)
+        code = 0
     except BaseException as exc:
         _report_failed_start(exc)
     finally:
@@ -75,11 +99,80 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
 
 
 def _read_request() -> tuple[Any, ...] | None:
+    """One request: the worker sends the next only after this one's result (no over-read)."""
     data = b""
     while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
         chunk = os.read(REQUEST_FD, 1 << 16)
         if not chunk:
             return None
         data += chunk
-    os.close(REQUEST_FD)
     return pickle.loads(data[8:])  # from the worker itself, through its own pipe
+
+
+# -- serving the run's next calls (worker/sandbox/reuse.py) ----------------------------------
+REUSE_CPU_S = 0.25  # CPU of the process in all, past which it serves no other call
+REUSE_GROWTH_KB = 16 << 10  # peak RSS above what it had before its first call: no other call
+
+
+@dataclass(frozen=True)
+class _State:
+    """What a call must leave as it found it for the process to serve another: its pipes
+    (a tool that closed or replaced them), its open descriptors (one that leaked files),
+    and, as a bound, its peak memory."""
+
+    pipes: tuple[tuple[int, int], ...]
+    fds: frozenset[str]
+    rss_kb: int
+
+    @staticmethod
+    def now() -> _State:
+        try:
+            pipes = tuple((st.st_dev, st.st_ino) for st in (os.fstat(RESULT_FD), os.fstat(REQUEST_FD)))
+            fds = frozenset(os.listdir("/proc/self/fd"))
+        except OSError:  # no descriptor left to look with: as good as changed
+            pipes, fds = (), frozenset()
+        return _State(pipes, fds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def _serve_and_stay(plan: Any, fn: Any, kwargs: dict[str, Any], may_stay: bool, start: _State) -> bool:
+    """The call, then whether this process may serve another call of the run: said in the
+    report, so that the worker keeps it, or not."""
+    payload = _run_tool(fn, kwargs)
+    _kill_own_uid()  # first: when the worker reads the result, nothing else runs
+    stay = may_stay and not _children() and _fit(start)
+    _report({**payload, "stay": stay})
+    return stay
+
+
+def _children() -> bool:
+    """Did the call leave a process, running or ended? The process is its calls' subreaper:
+    whatever they started and left, daemonized or not, is its child until reaped."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
+def _fit(start: _State) -> bool:
+    """No thread of the tool's runs on, descriptors and pipes are as they were, its peak
+    memory grew little, and its CPU is still far under its limit."""
+    if threading.active_count() != 1:
+        return False
+    now = _State.now()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    unchanged = now.pipes == start.pipes and bool(now.pipes) and now.fds == start.fds
+    cpu = usage.ru_utime + usage.ru_stime
+    return unchanged and now.rss_kb - start.rss_kb < REUSE_GROWTH_KB and cpu < REUSE_CPU_S
+
+
+def _again(plan: Any) -> None:
+    """Before the run's next call: its folder, umask and environment again (the last call
+    may have changed them), and its file-size limit: what the run's folder may still
+    take now, never above the limit the process already has."""
+    _enter(plan)
+    wanted = plan.policy.max_file_mb << 20
+    if plan.room is not None:
+        wanted = min(wanted, plan.room)
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (min(wanted, hard), hard))

@@ -74,17 +74,34 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()  # one request and its answer at a time
-        wanted = tool_names(REGISTRY)
+        self._wanted = tool_names(REGISTRY)
+        self._tools: set[str] | None = None  # its answer: read when first asked (``tools``)
         try:  # it imports the tool modules, then says which tools it found the same way
             self.sock.settimeout(START_TIMEOUT_S)
-            hello = pickle.dumps(sorted({where.split(":")[0] for where in wanted.values()}))
+            hello = pickle.dumps(sorted({where.split(":")[0] for where in self._wanted.values()}))
             self.sock.sendall(len(hello).to_bytes(8, "big") + hello)
-            have: dict[str, str] = pickle.loads(self._exactly(int.from_bytes(self._exactly(8), "big")))
-            self.sock.settimeout(None)
         except BaseException:
             self.stop()
             raise
-        self.tools = {name for name, where in wanted.items() if have.get(name) == where}
+
+    @property
+    def tools(self) -> set[str]:
+        """The tools it runs: those it imported as this process did. Its answer is read when
+        first asked, so that a server started early (``start_early``) imports meanwhile; a
+        server that does not answer is stopped and runs none (its calls fork from the worker)."""
+        with self.lock:
+            if self._tools is None:
+                try:
+                    size = int.from_bytes(self._exactly(8), "big")
+                    have: dict[str, str] = pickle.loads(self._exactly(size))
+                    self.sock.settimeout(None)
+                except (OSError, EOFError, pickle.UnpicklingError):
+                    log.warning("sandbox: the fork server did not start; calls fork from the worker",
+                                exc_info=True)  # fmt: skip
+                    self.stop()
+                    have = {}
+                self._tools = {name for name, where in self._wanted.items() if have.get(name) == where}
+            return self._tools
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -125,6 +142,22 @@ class Zygote:
 
 
 _zygotes: dict[int, Zygote | None] = {}  # pool process pid -> its fork server (None: unavailable)
+
+
+def start_early() -> None:
+    """Start this process's fork server now, without waiting for it: a tool pool process
+    does as it starts (``worker/tool_task.py``), so the server imports the tool modules while
+    the worker is still starting. Started on first use instead, a fresh worker's first calls
+    each waited for one (16 fresh interpreters at once: 7-12 s on this 2-core box, 30-60 s
+    loaded), and a run whose step was sent again to a new worker stood still that much longer
+    (``bench/chaos.py``)."""
+    if os.environ.get("TOOLOOP_SANDBOX_FORK_SERVER", "1") == "0" or os.getpid() in _zygotes:
+        return
+    try:
+        _zygotes[os.getpid()] = Zygote()
+    except OSError:
+        log.warning("sandbox: no fork server; calls fork from the worker", exc_info=True)
+        _zygotes[os.getpid()] = None
 
 
 def for_this_process() -> Zygote | None:

@@ -1,0 +1,110 @@
+"""A process serving several calls of a run (worker/sandbox/reuse.py): when it stays, when
+it goes, and that the next call finds the run's folder, environment and limits again.
+Unit level: ``run_call`` in this process as the tool worker calls it (``run_id``, deferred
+clean-up, ``settle()`` after each call); every containment test of test_sandbox.py also
+runs in a reused process (its ``fork-reused`` layer)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from orchestrator.models import SandboxPolicy
+from tests import hostile_tools as hostile
+from tests.test_sandbox import alive, gone, marker, needs_root, runs_root
+from worker import sandbox
+from worker.sandbox import CallOutcome, SandboxContext, run_call
+
+pytestmark = needs_root
+
+
+def run_of(run_id: str):
+    def call(fn, timeout: float = 30, **kwargs) -> CallOutcome:
+        ctx = SandboxContext(os.path.join(runs_root(), run_id), timeout, SandboxPolicy(), mode="basic",
+                             sandbox_root=runs_root(), run_id=run_id, defer_cleanup=True)  # fmt: skip
+        try:
+            return run_call(fn, kwargs, ctx)
+        finally:
+            sandbox.settle()
+
+    return call
+
+
+def new_run_id() -> str:
+    return f"run-{uuid.uuid4().hex[:10]}"
+
+
+def pid_of(outcome: CallOutcome) -> int:
+    assert outcome.ok, outcome.error
+    return outcome.output["pid"] if isinstance(outcome.output, dict) else outcome.output
+
+
+def test_the_calls_of_a_run_share_a_process_and_find_their_run_as_it_was() -> None:
+    run_id, other = new_run_id(), new_run_id()
+    call = run_of(run_id)
+    first = call(hostile.identity).output
+    seen = call(hostile.wander, value="x").output
+    after = call(hostile.identity).output
+    again = call(hostile.wander, value="y").output
+    assert first["pid"] == seen["pid"] == after["pid"] == again["pid"]  # one process
+    assert first["uid"] == after["uid"] and first["limits"] == after["limits"]
+    assert seen["cwd"] == after["cwd"] == again["cwd"] == first["cwd"]  # back in its folder
+    assert again["env"] is None  # the environment is the allowlist again
+    stranger = run_of(other)(hostile.identity).output
+    assert stranger["pid"] != first["pid"] and stranger["uid"] != first["uid"]  # never two runs
+    sandbox.reuse.forget(run_id)
+    assert gone(lambda: [first["pid"]] if os.path.exists(f"/proc/{first['pid']}") and
+                _running(first["pid"]) else [])  # fmt: skip
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("leave", ["process", "thread", "file", "memory", "timeout"])
+def test_a_call_that_leaves_something_ends_its_process(leave: str) -> None:
+    """A process left behind (killed as before), a thread, an open file, 64 MiB held, a
+    timeout: the next call of the run gets a fresh process."""
+    run_id = new_run_id()
+    call = run_of(run_id)
+    first = pid_of(call(hostile.identity))
+    mark = marker()
+    if leave == "process":
+        assert call(hostile.escape, marker=mark, wait=0.1).ok
+        assert gone(lambda: alive(mark))
+    elif leave == "thread":
+        assert pid_of(call(hostile.leave_thread, seconds=30)) == first
+    elif leave == "file":
+        assert pid_of(call(hostile.leak_file, name="held.txt")) == first
+    elif leave == "timeout":
+        assert call(hostile.burn_cpu, seconds=5, timeout=0.5).error.startswith("Timeout")
+    else:
+        assert pid_of(call(hostile.hold_memory, mb=64)) == first
+    assert pid_of(call(hostile.identity)) != first
+    sandbox.reuse.forget(run_id)
+
+
+def test_no_reuse_with_tooloop_sandbox_reuse_0(monkeypatch) -> None:
+    monkeypatch.setenv("TOOLOOP_SANDBOX_REUSE", "0")
+    call = run_of(new_run_id())
+    assert pid_of(call(hostile.identity)) != pid_of(call(hostile.identity))
+
+
+def test_an_idle_process_ends_and_the_next_call_gets_a_fresh_one(monkeypatch) -> None:
+    run_id = new_run_id()
+    call = run_of(run_id)
+    first = pid_of(call(hostile.identity))
+    monkeypatch.setattr(sandbox.reuse, "KEEP_IDLE_S", 0.2)
+    time.sleep(0.3)
+    sandbox.settle()  # what the pool process does after its next call of any run
+    assert sandbox.reuse.kept_pid(run_id) is None
+    assert gone(lambda: [first] if _running(first) else [])
+    assert pid_of(call(hostile.identity)) != first
+    sandbox.reuse.forget(run_id)
