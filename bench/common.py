@@ -36,7 +36,7 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
         "TOOLOOP_REDIS_URL": url,
         "TOOLOOP_KEY_PREFIX": f"bench-{uuid.uuid4().hex[:8]}",
         "TOOLOOP_TOOLS": tools,
-        "TOOLOOP_SANDBOX_ROOT": tempfile.mkdtemp(prefix="tooloop-bench-"),
+        "TOOLOOP_SANDBOX_ROOT": (sandbox_root := tempfile.mkdtemp(prefix="tooloop-bench-")),
         "OPENAI_API_KEY": "scripted",
         # The scripted model's endpoint, on a port chosen now: the workers' key may go there.
         "TOOLOOP_BENCH_MODEL_PORT": str(port := free_port()),
@@ -46,6 +46,8 @@ def environment(stack: ExitStack, tools: str) -> dict[str, str]:
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
     stack.callback(_cleanup, url, env["TOOLOOP_KEY_PREFIX"])
+    # The runs' folders go with the bench: each kept its run group on the host until removed.
+    stack.callback(shutil.rmtree, sandbox_root, ignore_errors=True)
     return env
 
 

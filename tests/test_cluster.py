@@ -55,12 +55,15 @@ def node_of(cluster_client, key: str) -> str:
 def test_runs_complete_on_cluster(deployment, spec, cluster, broker):
     from redis.cluster import RedisCluster
 
-    d = deployment(TOOLOOP_REDIS_URL=cluster.url, TOOLOOP_BROKER_URL=broker)
+    # under fair share (a cap of 3 runs: 5 wait in their tenant's queue, under its own hash tag)
+    d = deployment(TOOLOOP_REDIS_URL=cluster.url, TOOLOOP_BROKER_URL=broker, TOOLOOP_TENANT_MAX_ACTIVE="*=3")
     assert isinstance(d.store.redis, RedisCluster)  # detected from the server, no setting
     d.start_worker("-c", "2")
     handles = [d.client.submit(tool_run(spec)) for _ in range(8)]
+    assert sum(h.result().status_reason == "waiting_share" for h in handles) == 5
     for handle in handles:
         assert_done(handle.wait(timeout=90))
+    wait_for(lambda: not d.store.redis.hlen(d.store.keys.fair_runs()), timeout=15)  # every slot given back
     # the runs really are spread over the primaries, and listing merges every shard
     nodes = {node_of(d.store.redis, d.store.keys.run(h.run_id)) for h in handles}
     assert len(nodes) >= 2, nodes
@@ -194,7 +197,8 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
     monitor = Monitor(cluster.masters(), tmp_path)
     try:
         d = deployment(TOOLOOP_REDIS_URL=cluster.url, TOOLOOP_BROKER_URL=os.environ["TOOLOOP_REDIS_URL"],
-                       TOOLOOP_RATE_LIMITS=json.dumps(limits))  # fmt: skip
+                       TOOLOOP_RATE_LIMITS=json.dumps(limits),  # fair share's scripts run too, none waits
+                       TOOLOOP_TENANT_MAX_ACTIVE="*=100")  # fmt: skip
         d.start_worker("-c", "2")
         plain = [d.client.submit(tool_run(spec, delay=0.3)) for _ in range(3)]
         controlled = plain[0]
@@ -241,7 +245,8 @@ def test_every_script_touches_one_slot(deployment, spec, cluster, holds, tmp_pat
         seen.add(name)
     assert tree, "no script reached a run of its tree (a parent's keys from its child's)"
     wanted = {"CREATE", "CLAIM_TURN", "RECORD_REPLY", "START_CALL", "RECORD_CALL", "PAUSE", "RESUME",
-              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "START_CHILD", "STAGE"}  # fmt: skip
+              "STEER", "ABORT", "DUE", "PARK", "DECIDE", "TAKE", "START_CHILD", "STAGE",
+              "FAIR_ENQUEUE", "FAIR_PUMP", "OPEN_GATE"}  # fmt: skip
     assert wanted <= seen, f"not exercised: {wanted - seen} (seen: {sorted(seen)})"
     sent = monitor.client_commands(cluster.ports)
     allowed = set(ACL_COMMANDS) | set(CLUSTER_ACL_COMMANDS)

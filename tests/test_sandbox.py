@@ -1439,6 +1439,48 @@ def test_a_wrapped_group_counter_skips_groups_in_use(tmp_path: Path, monkeypatch
         sandbox.folders._prepared.clear()
 
 
+@needs_root
+def test_a_group_counter_that_went_back_goes_past_the_groups_in_use(tmp_path: Path, monkeypatch) -> None:
+    """A worker killed between the old counter's truncate and its write left it empty: the
+    next runs took groups from 1 again, climbed through the freed ones and, behind more
+    than MAX_GID_PROBES groups in use, every new run failed 'no free run group' (seen on
+    this host after a chaos bench: 14,000 bench folders ahead of the counter)."""
+    state = tmp_path / "state"
+    monkeypatch.setattr(sandbox.folders, "STATE_DIR", str(state))
+    monkeypatch.setattr(sandbox.folders, "MAX_GID_PROBES", 3)
+    sandbox.folders._state_dir.cache_clear()
+    root = tmp_path / "runs"
+    try:
+        def new_run(name: str) -> tuple[SandboxContext, Path]:
+            folder = root / name
+            return SandboxContext(str(folder), 5, SandboxPolicy(), sandbox_root=str(root), mode="basic",
+                                  run_id=name), folder  # fmt: skip
+
+        gids = []
+        for i in range(5):  # a row of 5 groups in use, longer than the probes allowed
+            ctx, folder = new_run(f"old{i}")
+            assert run_call(hostile.identity, {}, ctx).ok
+            gids.append(folder.stat().st_gid)
+        assert gids == [sandbox.constants.GID_BASE + n for n in range(1, 6)]
+        counter = state / "gid-counter"
+        assert counter.read_text().strip() == "5" and len(counter.read_bytes()) == 17  # fixed width
+        for behind in ("", "0\n", "garbled"):
+            counter.write_text(behind)
+            ctx, folder = new_run(f"new-{len(behind)}")
+            outcome = run_call(hostile.identity, {}, ctx)
+            assert outcome.ok, outcome
+            assert folder.stat().st_gid > max(gids)  # past the row, no group shared
+            gids.append(folder.stat().st_gid)
+        uids = state / "uid-counter"
+        uids.write_text("garbled")  # a random block then, never the first one again
+        sandbox.folders._uid_blocks.clear()
+        assert sandbox.folders.next_uid(str(root)) > sandbox.constants.UID_BASE + sandbox.constants.UID_BLOCK
+    finally:
+        sandbox.folders._state_dir.cache_clear()
+        sandbox.folders._prepared.clear()
+        sandbox.folders._uid_blocks.clear()
+
+
 # -- issue 12: the hostile suite inside a Docker-default-like seccomp profile ---------------------
 @pytest.mark.timeout(1500)  # the suite's calls again, inside the profile
 def test_the_hostile_suite_holds_under_docker_default_seccomp() -> None:

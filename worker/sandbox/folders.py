@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import stat
 from functools import lru_cache
 
@@ -193,7 +194,34 @@ def _claim_unrecorded(gid: int, path: str, owner: str, root: str) -> bool:
     return True
 
 
-MAX_GID_PROBES = 4096  # groups skipped (still in use) before giving up
+MAX_GID_PROBES = 4096  # groups skipped (still in use) before looking past the highest one
+COUNTER_WIDTH = 16
+
+
+def _read_counter(fd: int) -> int | None:
+    """The counter; 0 for a new (empty) one, None for one that cannot be read."""
+    text = os.pread(fd, 64, 0).strip()
+    return int(text) if text.isdigit() else None if text else 0
+
+
+def _write_counter(fd: int, value: int) -> None:
+    """One pwrite at a fixed width, never a truncate first: a worker killed between a
+    truncate and its write left an empty counter, and the host's next runs took groups
+    (and calls took uids) from 1 again."""
+    os.pwrite(fd, f"{value:>{COUNTER_WIDTH}}\n".encode(), 0)
+
+
+def _highest_group(state: str) -> int:
+    names = os.listdir(os.path.join(state, "groups"))
+    return max((int(name) for name in names if name.isdigit()), default=0)
+
+
+def _free_group(root: str, last: int) -> int | None:
+    for step in range(1, MAX_GID_PROBES + 1):
+        n = (last + step - 1) % GID_SPAN + 1  # wraps after 16.7 M runs: skip groups in use
+        if not _in_use(GID_BASE + n, root):
+            return n
+    return None
 
 
 def _next_gid(root: str, owner: str, folder: str) -> int:
@@ -201,16 +229,14 @@ def _next_gid(root: str, owner: str, folder: str) -> int:
     fd = os.open(os.path.join(state, "gid-counter"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        last = int(os.pread(fd, 32, 0).strip() or 0)
-        for step in range(1, MAX_GID_PROBES + 1):
-            n = (last + step - 1) % GID_SPAN + 1  # wraps after 16.7 M runs: skip groups in use
-            if not _in_use(GID_BASE + n, root):
-                break
-        else:
+        last = _read_counter(fd)
+        n = _free_group(root, _highest_group(state) if last is None else last)
+        if n is None:  # a long row of groups in use ahead of the counter: go past the highest
+            n = _free_group(root, _highest_group(state))
+        if n is None:
             raise SandboxError(f"no free run group near {last}: expire old run folders")
         _write(os.path.join(state, "groups", str(n)), json.dumps({"run": owner, "folder": folder}))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{n}\n".encode(), 0)
+        _write_counter(fd, n)
         return GID_BASE + n
     finally:
         os.close(fd)
@@ -241,9 +267,12 @@ def _take_uids(root: str) -> list[int]:
     fd = os.open(os.path.join(_state_dir(root), "uid-counter"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        first = int(os.pread(fd, 32, 0).strip() or 0) % (UID_SPAN - UID_BLOCK) + 1  # 0: never uid UID_BASE
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{first + UID_BLOCK - 1}\n".encode(), 0)
+        last = _read_counter(fd)
+        if last is None:  # unreadable: a random block, not the first again (uids in use there)
+            log.warning("uid counter in %s unreadable; starting at a random block", _state_dir(root))
+            last = secrets.randbelow(UID_SPAN - UID_BLOCK)
+        first = last % (UID_SPAN - UID_BLOCK) + 1  # 0: never uid UID_BASE
+        _write_counter(fd, first + UID_BLOCK - 1)
         return list(range(first, first + UID_BLOCK))
     finally:
         os.close(fd)
