@@ -67,10 +67,28 @@ def _as_cli_error(exc: Exception) -> CliError | None:
         return CliError(str(exc), 2, "usage")
     if _usage_error(exc):
         return CliError(exc.format_message(), getattr(exc, "exit_code", 2), "usage")
+    if _bad_setting(exc):  # a TOOLOOP_* variable that does not parse: refused at start, named
+        return CliError("; ".join(_setting_errors(exc)), 2, "usage")
     errors = sys.modules.get("redis.exceptions")  # (loaded by the commands that use Redis: not --help)
     if errors is not None and isinstance(exc, errors.ConnectionError):
         return CliError(f"Redis unreachable at TOOLOOP_REDIS_URL: {exc}", 1, "redis_unreachable")
     return None
+
+
+def _bad_setting(exc: Exception) -> bool:
+    from pydantic import ValidationError
+
+    return isinstance(exc, ValidationError) and exc.title == "Settings"
+
+
+def _setting_errors(exc: Any) -> list[str]:
+    """Each bad setting as one line naming its variable (a check of its own names it already)."""
+    out = []
+    for error in exc.errors():
+        message = str(error["msg"]).removeprefix("Value error, ")
+        name = "TOOLOOP_" + "_".join(str(part) for part in error["loc"]).upper()
+        out.append(message if message.startswith("TOOLOOP_") else f"{name}: {message}")
+    return out
 
 
 def _usage_error(exc: Exception) -> bool:

@@ -134,7 +134,7 @@ class Recovery:
     """The sweeper's look at one run: what to send again, what to look for in the queue."""
 
     run_id: str
-    outcome: str = "steps"  # steps | gone | ended | pause_expired | gave_up
+    outcome: str = "steps"  # steps | gone | ended | pause_expired | gave_up | gated (fair share)
     sends: list[Dispatch] = field(default_factory=list)  # lost: send again now
     checks: list[Dispatch] = field(default_factory=list)  # never taken: late, or lost?
 

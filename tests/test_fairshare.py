@@ -37,6 +37,11 @@ def test_settings_are_checked_at_start_and_a_tenant_without_an_entry_weighs_1():
     ]:  # fmt: skip
         with pytest.raises(ValidationError, match=says.replace("(", r"\(").replace(")", r"\)")):
             Settings(**{field: value})
+    bad = {**os.environ, "TOOLOOP_TENANT_MAX_ACTIVE": "acme=x"}
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "doctor"], cwd=ROOT, text=True,
+                             capture_output=True, env=bad)  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip() == "TOOLOOP_TENANT_MAX_ACTIVE: acme='x': a whole number >= 1 expected"
     assert fairshare.Policy.from_settings(Settings()) is None  # nothing set: nothing to do
     policy = fairshare.Policy.from_settings(Settings(tenant_shares="acme=3", tenant_max_active="acme=2,*=5"))
     assert policy is not None and policy.gating

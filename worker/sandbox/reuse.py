@@ -10,13 +10,15 @@ may serve that run's next calls, one at a time, in this pool process:
   set itself (its file-size limit lowered, if need be, to what the run's folder may
   still take); never a call of another run;
 - the process decides after each call whether it may serve another (spare_child.py):
-  nothing of its uid left running (its ``kill(-1)`` found nothing), no thread the tool
-  started, its pipes untouched, and under ``REUSE_CPU_S`` of CPU in all (its CPU limit
-  counts from its start: a later call gets at most that much less of it);
+  no process left (it is its calls' subreaper: whatever they started is its child until
+  reaped), no thread the tool started, no descriptor it did not have, its pipes
+  untouched, its peak memory grown by less than 16 MiB, and under ``REUSE_CPU_S`` of CPU
+  in all (its CPU limit counts from its start: a later call gets at most that much less);
 - a call that times out, is aborted, overflows or crashes ends its process as before
   (``call.py``), and the next call gets a fresh one;
 - at most ``TOOLOOP_SANDBOX_REUSE`` processes kept per pool process (default 32; 0:
-  one process per call, as before), each for ``KEEP_IDLE_S`` after its last call; one
+  one process per call, as before), each used within ``KEEP_IDLE_S`` of its last call,
+  else ended at the pool process's next ``settle`` (or with the pool process); one
   that is no longer kept sees its request pipe close and exits.
 """
 
