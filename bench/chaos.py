@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, publish, scripted_model, scripted_spec
 from bench.stalls import Action, Stall, read_deliveries, stalls_of_run, summary, workers_up
+from tests.servers import drop_queues
 
 TOKENS = 30
 # from tests/tools.py: a non-idempotent effect (a line in the run's folder) and an idempotent read
@@ -206,34 +207,13 @@ def main() -> None:
         stack.callback(model_server.stop)
         client = Client()
         if args.broker:
-            stack.callback(delete_queues, client)
+            # the bench's queues and exchanges, gone from a broker that outlives it: each
+            # RabbitMQ quorum queue keeps file descriptors open (four runs left 96 queues)
+            stack.callback(drop_queues, args.broker, client.store.keys)
         lines = faults_phase(stack, env, client, model_server, redis_server, args)
         if args.outage > 0 and not args.broker:
             lines += outage_phase(stack, env, client, model_server, args)
         publish("chaos" if not args.broker else f"chaos_{broker_name(args.broker)}", lines)
-
-
-def delete_queues(client) -> None:
-    """The bench's own queues and exchanges, gone from a broker that outlives it: the shared
-    ones and one per tool its workers have (each worker declares them all). Left behind,
-    each RabbitMQ quorum queue keeps file descriptors open: four runs left 96 queues."""
-    import tests.tools  # noqa: F401  (the workers' tools, hence their queues)
-    import worker.builtins  # noqa: F401
-    from worker.registry import REGISTRY
-
-    keys = client.store.keys
-    names = [q.name for q in client.celery.conf.task_queues] + [keys.tool_queue_of(t) for t in REGISTRY]
-    with client.celery.connection_for_write() as conn:
-        for name in names:
-            channel = conn.channel()  # a channel per queue: a failed delete closes its channel
-            try:
-                channel.queue_delete(name)
-                channel.exchange_delete(name)
-            except conn.channel_errors:  # never declared
-                pass
-            finally:
-                with contextlib.suppress(Exception):
-                    channel.close()
 
 
 def broker_name(url: str | None) -> str:

@@ -17,7 +17,6 @@ A stack whose servers are missing is skipped, with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -404,31 +403,9 @@ class Deployment:
         for proc in self.workers:
             proc.stop()
         if self.env.get("TOOLOOP_BROKER_URL", "").startswith("amqp"):
+            from tests.servers import drop_queues
+
             drop_queues(self.env["TOOLOOP_BROKER_URL"], self.store.keys)
-
-
-def drop_queues(url: str, keys) -> None:
-    """A deployment's RabbitMQ queues, deleted when it stops: each quorum queue holds
-    descriptors of RabbitMQ's, and a session's hundreds of deployments (a queue per tool
-    each) exhausted them: RabbitMQ then stopped accepting connections."""
-    from kombu import Connection
-
-    import tests.tools  # noqa: F401  (the tools the workers have, hence their queues)
-    import worker.builtins  # noqa: F401
-    from worker.registry import REGISTRY
-
-    names = [keys.turn_queue, keys.tool_queue, *(keys.tool_queue_of(t) for t in REGISTRY)]
-    with Connection(url, connect_timeout=10) as conn:
-        for name in names:
-            channel = conn.channel()
-            try:
-                channel.queue_delete(name)
-                channel.exchange_delete(name)
-            except conn.channel_errors:  # never declared
-                pass
-            finally:
-                with contextlib.suppress(*conn.channel_errors):
-                    channel.close()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
