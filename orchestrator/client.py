@@ -29,9 +29,9 @@ class Client:
     def celery(self) -> Any:
         """The Celery app that sends this client's steps (created on first use)."""
         if self._celery is None:
-            from worker.app import app, make_app
+            from worker.app import app_for
 
-            self._celery = app if self.settings == get_settings() else make_app(self.settings)
+            self._celery = app_for(self.settings)
         return self._celery
 
     def submit(self, spec: RunSpec | dict[str, Any], run_id: str | None = None) -> RunHandle:

@@ -295,10 +295,9 @@ class FairShare:
     @property
     def celery(self) -> Any:
         if self._celery is None:
-            from orchestrator.settings import get_settings
-            from worker.app import app, make_app
+            from worker.app import app_for
 
-            self._celery = app if self.store.settings == get_settings() else make_app(self.store.settings)
+            self._celery = app_for(self.store.settings)
         return self._celery
 
     def _total(self) -> int:

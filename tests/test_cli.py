@@ -194,6 +194,22 @@ def test_the_cli_refuses_input_out_of_bounds_before_writing(tmp_path, spec, mode
     assert store.result(run_id).error.endswith("r" * REASON_MAX_CHARS)
 
 
+def test_a_client_sends_to_its_own_prefix_whatever_the_module_app_was_made_with(own_prefix, monkeypatch):
+    """The module's Celery app is made once, at import, from the environment of then; a
+    client made since under another prefix must not send through it (its turns went to
+    queues no worker reads: each run 'recovered' by the sweeper a lease later)."""
+    import worker.app
+    from orchestrator import Client
+    from orchestrator.settings import get_settings
+
+    stale = get_settings().model_copy(update={"key_prefix": f"{own_prefix}-stale"})
+    monkeypatch.setattr(worker.app, "app", worker.app.make_app(stale))
+    client = Client()
+    assert client.settings.key_prefix == own_prefix
+    assert client.celery.tooloop_settings.key_prefix == own_prefix
+    assert Client(settings=stale).celery is worker.app.app  # the same settings: the same app
+
+
 # -- list and watch ----------------------------------------------------------------------------
 def test_list_in_a_pipe_is_a_plain_table(client, worker, spec) -> None:
     handle = client.submit(spec([{"content": "listed"}], tenant="lister"))

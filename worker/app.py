@@ -135,6 +135,13 @@ def make_app(settings: Settings | None = None) -> Celery:
 app = make_app()
 
 
+def app_for(settings: Settings) -> Celery:
+    """This module's app if it was made with ``settings``, else one of their own: the
+    module's is made once, at import, from the environment of then (a producer under
+    another prefix sending through it lost every turn to queues no worker reads)."""
+    return app if app.tooloop_settings == settings else make_app(settings)  # type: ignore[attr-defined]
+
+
 @lru_cache(maxsize=1)
 def get_store() -> RunStore:
     """This process's run store (redis-py reconnects by itself after a fork)."""
