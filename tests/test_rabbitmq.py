@@ -21,6 +21,12 @@ from orchestrator import Status
 from tests.helpers import call, flower, flower_task_names, once_flower_shows, tools, wait_for
 from worker.broker import DELIVERY_LIMIT, queue_arguments
 
+# One test process runs this module (one vhost): each test's deployment declares a quorum
+# queue per tool, ~3 of RabbitMQ's file handles each, and the module spread over six
+# processes (six vhosts with Celery's 28 delayed-delivery queues each, on top of the amqp
+# stacks') spent the 927 handles of a Debian RabbitMQ: it then accepted no connection.
+pytestmark = pytest.mark.xdist_group("test_rabbitmq")
+
 
 def take(url: str, queue: str):
     """A consumer that takes the queue's next message and never acks it."""
