@@ -369,15 +369,15 @@ def fork(run_id: OwnedRun, tenant: Tenant, api: Api, body: ForkBody) -> ForkRepl
     from orchestrator.fork import ForkError, fork_run
 
     try:
-        handle = fork_run(api.client, run_id, body.at, body.prompt_append, body.model, tenant,
-                          by=f"api:{tenant}")  # fmt: skip
+        fork_id = fork_run(api.client, run_id, body.at, body.prompt_append, body.model, tenant,
+                           by=f"api:{tenant}")  # fmt: skip
     except ForkError as exc:
         if exc.kind == "not_found":
             raise HTTPException(404, f"no run {run_id!r}") from None
         if exc.kind == "spec_refused":
             raise HTTPException(422, _problems(str(exc).split("; "))) from None
         raise HTTPException(400, str(exc)) from None
-    return ForkReply(run_id=handle.run_id, status=Status.queued,
+    return ForkReply(run_id=fork_id, status=Status.queued,
                      forked_from=ForkedFrom(run_id=run_id, iteration=body.at))  # fmt: skip
 
 

@@ -285,7 +285,7 @@ class FairShare:
         return sent
 
     def _send(self, dispatch: Dispatch, celery_app: Any) -> None:
-        from worker.app import send
+        from orchestrator.dispatch import send
 
         try:
             send(dispatch, celery_app or self.celery)
@@ -295,7 +295,7 @@ class FairShare:
     @property
     def celery(self) -> Any:
         if self._celery is None:
-            from worker.app import app_for
+            from orchestrator.dispatch import app_for
 
             self._celery = app_for(self.store.settings)
         return self._celery
@@ -396,3 +396,16 @@ _UNSET = object()
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def queue_gated(store: RunStore, run_id: str, celery_app: Any = None) -> None:
+    """A run written gated whose place in its tenant's queue was never confirmed: queue it
+    (ENQUEUE keeps a place it already has, so this admits nothing twice)."""
+    fair = of(store)
+    tenant = _s(store.redis.hget(store.keys.run(run_id), "tenant") or "default")
+    if fair is None or not fair.policy.gating:  # fair share was turned off: let it go
+        fair = FairShare(store, Policy({}, {}, None))
+        fair.open([run_id], celery_app)
+        return
+    log.warning("run %s: not in its tenant's queue yet; queued by the sweeper", run_id)
+    fair.submitted(run_id, tenant, celery_app)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
@@ -36,7 +36,7 @@ from orchestrator.keys import parse_call_key, run_id_error, shard_of
 from orchestrator.models import ForkedFrom, RunSpec, Status
 
 if TYPE_CHECKING:
-    from orchestrator.client import Client, RunHandle
+    from orchestrator.settings import Settings
     from orchestrator.store import RunStore
 
 # Errors a call that never ran gives: no effect to warn about.
@@ -152,19 +152,28 @@ class Plan:
     not_idempotent: list[str] = field(default_factory=list)  # tools of calls before `at`
 
 
+class Producer(Protocol):
+    """What a fork needs of the client that makes it (``orchestrator.client.Client``)."""
+
+    store: RunStore
+    settings: Settings
+
+    @property
+    def celery(self) -> Any: ...
+
+
 def fork_run(
-    client: Client,
+    client: Producer,
     run_id: str,
     at: int,
     prompt_append: str | None = None,
     model: str | None = None,
     tenant: str | None = None,
     by: str = "operator",
-) -> RunHandle:
+) -> str:
     """Fork ``run_id`` at turn ``at``; ``tenant``: the caller's (another tenant's run is not
-    found). ``ForkError`` when refused; nothing is written then."""
-    from orchestrator.client import RunHandle
-    from worker.app import enqueue_turn
+    found). The new run's id; ``ForkError`` when refused, and nothing is written then."""
+    from orchestrator.dispatch import enqueue_turn  # (Celery: only when a fork is sent)
 
     store = client.store
     parent = read_parent(store, run_id, tenant)
@@ -196,7 +205,7 @@ def fork_run(
     if not write(store, fork_id, plan):
         raise ForkError(f"run {fork_id} already exists")
     enqueue_turn(fork_id, at, 1, client.celery)
-    return RunHandle(client, fork_id)
+    return fork_id
 
 
 def write(store: RunStore, run_id: str, plan: Plan) -> bool:
@@ -252,7 +261,7 @@ def _range_message(parent: Parent, at: Any, latest: int) -> str:
     return f"--at {at}: run {parent.run_id} has {turns} turn(s); a fork is made at 1..{latest}"
 
 
-def _fork_spec(parent: Parent, model: str | None, client: Client) -> RunSpec:
+def _fork_spec(parent: Parent, model: str | None, client: Producer) -> RunSpec:
     """The parent's stored spec (credentials stay sealed for the same tenant), its own folder,
     and the model given, checked as at submit."""
     from orchestrator.validation import check_model_params

@@ -251,7 +251,7 @@ class Stack:
 
     def queued(self, queue: str, celery_app=None) -> int:
         """Messages waiting in one of this stack's queues (whatever the broker)."""
-        from worker.broker import queue_depths
+        from orchestrator.broker import queue_depths
 
         return queue_depths(celery_app or self.client.celery, [queue])[queue] or 0
 
@@ -395,7 +395,7 @@ class Deployment:
 
     def queued(self, queue: str) -> int:
         """Messages waiting in one of this deployment's queues (whatever the broker)."""
-        from worker.broker import queue_depths
+        from orchestrator.broker import queue_depths
 
         return queue_depths(self.client.celery, [queue])[queue] or 0
 

@@ -195,7 +195,7 @@ def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec, capsys) ->
         printed = capsys.readouterr().out.splitlines()
         assert f"queue {keys.turn_queue}: 2 waiting" in printed, printed
         assert f"queue {keys.tool_queue}: 3 waiting" in printed, printed
-        assert d.queued(keys.turn_queue) == 2  # worker.broker.queue_depths (the sweeper's, on AMQP)
+        assert d.queued(keys.turn_queue) == 2  # orchestrator.broker.queue_depths (the sweeper's, on AMQP)
     finally:
         r.delete(own, shared)
         d.store.remove_worker(f"{d.prefix}-gone")

@@ -1281,8 +1281,8 @@ def allow_root() -> str:
 def submit_unchecked(client: Client, spec_data: dict, run_id: str | None = None) -> Any:
     """What a producer with Redis access can do: write and enqueue a run, skipping submit's checks."""
     from orchestrator.models import RunSpec
+    from orchestrator.prompt import initial_messages
     from worker.app import enqueue_turn
-    from worker.steps import initial_messages
 
     run_spec = RunSpec.model_validate(spec_data)
     run_id = run_id or uuid.uuid4().hex

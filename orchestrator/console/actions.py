@@ -179,13 +179,13 @@ def fork(
     if refused := _check(request, console, viewer, run_id, csrf):
         return refused
     try:
-        handle = fork_run(console.api.client, run_id, at, tenant=viewer.tenant, by=_by(viewer))
+        fork_id = fork_run(console.api.client, run_id, at, tenant=viewer.tenant, by=_by(viewer))
     except ForkError as exc:
         code = 404 if exc.kind == "not_found" else 400
         return _reply(request, run_id, {"ok": False, "message": str(exc)}, code)
-    location = f"/runs/{handle.run_id}"
-    body = {"ok": True, "action": "fork", "result": "ok", "run_id": handle.run_id, "location": location,
-            "message": f"Forked at turn {at}: run {handle.run_id}."}  # fmt: skip
+    location = f"/runs/{fork_id}"
+    body = {"ok": True, "action": "fork", "result": "ok", "run_id": fork_id, "location": location,
+            "message": f"Forked at turn {at}: run {fork_id}."}  # fmt: skip
     if wants_json(request):
         return finish(request, JSONResponse(body))
     return finish(request, RedirectResponse(location, status_code=303))

@@ -193,8 +193,8 @@ class Session:
         """The run, as submit writes it; a fork's cassette from its recorded start."""
         from orchestrator.agents import agents_root, load_docs
         from orchestrator.fork import Plan, write
+        from orchestrator.prompt import initial_messages
         from worker.app import enqueue_turn
-        from worker.steps import initial_messages
 
         start = self.cassette.header.get("start")
         if start:
