@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,6 +43,8 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
              profile: bool = False) -> list[str]:  # fmt: skip
     spec = scripted_spec(model_server, model_server.script(steps(turns, delay)), tools=["add"])
     cpu0 = procs.cpu_of_tree(worker_pid) + (procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0)
+    roles0 = roles(worker_pid)
+    timeline = Timeline(worker_pid)
     spies = cpu_per_turn.profile(worker_pid, PROFILE_S, f"conc{runs}") if profile else []
     if profile:  # this process too: the producer and the scripted model's 500 connections
         spies.append(subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
@@ -60,6 +63,8 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
         paths = sorted(cpu_per_turn.RAW.glob(f"profile-conc{runs}-*.txt"))
         publish("profile_shares_concurrency", [line for p in paths for line in summary(str(p), p.stem)])
     cpu = procs.cpu_of_tree(worker_pid) + (procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0) - cpu0
+    timeline.stop()
+    by_role = {k: v - roles0.get(k, 0.0) for k, v in roles(worker_pid).items()}
     own1 = os.times()
     producer = own1.user - own0.user + own1.system - own0.system  # this process: producer + model server
     store = client.store
@@ -80,8 +85,76 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
         f"    CPU, all processes  {cpu / (runs * turns) * 1000:7.2f} ms per turn, "
         f"{cpu / wall:.2f} of {os.cpu_count()} cores busy on average",
         f"    CPU, this producer and the scripted model  {producer / wall:.2f} cores on average",
+        "    CPU by part, ms per turn: " + ", ".join(f"{k} {v / (runs * turns) * 1000:.2f}"
+                                                  for k, v in by_role.items()),
         *waves(model_server.calls(spec["model"]), started, delay),
+        *timeline.lines(started),
     ]  # fmt: skip
+
+
+def roles(worker_pid: int) -> dict[str, float]:
+    """CPU so far (s) by part of the worker: the turn processes, the tools pool's Celery
+    parent, its pool processes, their fork servers with every call process (live, or reaped
+    by a server), and Redis."""
+    out = dict.fromkeys(("turns", "tools parent", "tools pool", "sandbox", "redis", "launcher"), 0.0)
+    everything = procs.tree(worker_pid)
+    kids: dict[int, list[procs.Proc]] = {}
+    for p in everything:
+        kids.setdefault(p.ppid, []).append(p)
+    for top in kids.get(worker_pid, []):
+        if " -n turns" in top.cmdline:
+            out["turns"] += procs.cpu_of_tree(top.pid)
+            continue
+        out["tools parent"] += top.cpu_s + top.reaped_s
+        for pool in kids.get(top.pid, []):
+            out["tools pool"] += pool.cpu_s
+            out["sandbox"] += procs.cpu_of_tree(pool.pid) - pool.cpu_s
+    launcher = procs.read(worker_pid)
+    out["launcher"] = launcher.cpu_s if launcher else 0.0
+    out["redis"] = procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0
+    return out
+
+
+class Timeline:
+    """Every 0.5 s: the CPU of the worker and Redis, and of the whole machine (/proc/stat), so
+    the waves show whether the box was busy and with whose work."""
+
+    STEP_S = 0.5
+
+    def __init__(self, worker_pid: int) -> None:
+        self.worker_pid, self.samples = worker_pid, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            ours = procs.cpu_of_tree(self.worker_pid) + (procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0)
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            busy = (sum(fields) - fields[3] - fields[4]) / procs.TICK  # all but idle and iowait
+            self.samples.append((time.time(), ours, busy))
+            self.done.wait(self.STEP_S)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def lines(self, since: float, step: float = 1.0) -> list[str]:
+        """Per ``step`` s from the first submit: cores ours (worker + Redis) / cores busy in all."""
+        out, row = [], []
+        marks = [s for s in self.samples if s[0] >= since]
+        t_next = since + step
+        last = marks[0] if marks else None
+        for s in marks[1:]:
+            if s[0] >= t_next:
+                dt = s[0] - last[0]
+                row.append(f"{(s[1] - last[1]) / dt:.1f}/{(s[2] - last[2]) / dt:.1f}")
+                last, t_next = s, t_next + step
+        for i in range(0, len(row), 10):
+            span = f"{i:>2}-{min(i + 10, len(row)):>2}"
+            out.append(f"    cores ours/all, s {span}: " + " ".join(row[i : i + 10]))
+        return out
 
 
 def waves(requests: list[dict], since: float, delay: float) -> list[str]:
@@ -93,8 +166,11 @@ def waves(requests: list[dict], since: float, delay: float) -> list[str]:
         if r["_received"] >= since:
             turn = 1 + sum(1 for m in r.get("messages", []) if m.get("role") == "assistant")
             by_turn.setdefault(turn, []).append(r["_received"] - since)
-    return [f"    model requests of turn {k}: +{min(t):.2f} s to +{max(t):.2f} s (median "
-            f"+{statistics.median(t):.2f}; ideal +{(k - 1) * delay:g})" for k, t in sorted(by_turn.items())]
+    return [
+        f"    model requests of turn {k}: +{min(t):.2f} s to +{max(t):.2f} s (median "
+        f"+{statistics.median(t):.2f}; ideal +{(k - 1) * delay:g})"
+        for k, t in sorted(by_turn.items())
+    ]
 
 
 def peak_in_flight(requests: list[dict], delay: float, since: float) -> int:

@@ -928,7 +928,17 @@ end
 return 0
 """
 
-# The scripts that run on one run's keys (PRELUDE + script); DUE, QUEUED and JUMP stand alone.
+# The worker registry and Redis's clock in one round trip (a submit checks its tools against
+# the live workers' catalog). KEYS: the registry hash -> {seconds, micros, field, value, ...}
+WORKERS = """
+local clock = redis.call('TIME')
+local out = {clock[1], clock[2]}
+for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do out[#out + 1] = v end
+return out
+"""
+
+# The scripts that run on one run's keys (PRELUDE + script); DUE, QUEUED, JUMP and WORKERS
+# stand alone.
 RUN_SCRIPTS = (
     "CREATE", "CLAIM_TURN", "RECORD_REPLY", "FAIL_TURN", "FINISH", "START_CALL",
     "RECORD_CALL", "FAIL_CALL", "BEAT", "HAND_BACK", "PAUSE", "RESUME", "ABORT", "STEER",

@@ -151,6 +151,7 @@ class RunStore:
         self._due = client.register_script(scripts.DUE)
         self._queued = client.register_script(scripts.QUEUED)
         self._jump = client.register_script(scripts.JUMP)
+        self._workers = client.register_script(scripts.WORKERS)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> RunStore:
@@ -644,10 +645,12 @@ class RunStore:
         self.redis.hdel(self.keys.workers(), name)
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
-        """Workers seen within WORKER_TTL_S; entries of long-dead ones are dropped."""
-        now = self.time_ms() / 1000
+        """Workers seen within WORKER_TTL_S; entries of long-dead ones are dropped. One round
+        trip: the registry and Redis's clock (every submit asks)."""
+        seconds, micros, *flat = self._workers(keys=[self.keys.workers()])
+        now = int(seconds) + int(micros) / 1e6
         workers, dead = {}, []
-        for name, raw in self.redis.hgetall(self.keys.workers()).items():
+        for name, raw in zip(flat[::2], flat[1::2], strict=True):
             info = json.loads(raw)
             seen = info.get("seen", 0)
             if seen >= now - WORKER_TTL_S:

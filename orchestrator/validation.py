@@ -85,9 +85,11 @@ def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None,
     _load_agent_docs(spec, store, report)
     _check_supervisor(spec, report)
     _check_sandbox_root(spec, settings, run_id, report)
-    if store is not None:
-        _check_tools(spec, store, report)
-    check_http_tools(spec, store.catalog() if store is not None else None, settings, report)
+    # read once (one round trip), and only when a tool is named or declared
+    catalog = store.catalog() if store is not None and (spec.tools or spec.http_tools) else None
+    if catalog is not None:
+        _check_tools(spec, catalog, report)
+    check_http_tools(spec, catalog, settings, report)
     check_approval(report)
     _check_agents(spec, store, settings, report, lineage)
     _check_round_trip(report)
@@ -203,8 +205,7 @@ def _load_agent_docs(spec: RunSpec, store: RunStore | None, report: SpecReport) 
     report.warnings += docs.warnings
 
 
-def _check_tools(spec: RunSpec, store: RunStore, report: SpecReport) -> None:
-    catalog = store.catalog()
+def _check_tools(spec: RunSpec, catalog: dict[str, Any], report: SpecReport) -> None:
     if not catalog or not spec.tools:
         return  # no live tool worker has published yet: nothing to check against
     unknown = [name for name in spec.tools if name not in catalog]

@@ -195,3 +195,23 @@ def test_round_trips_and_messages_per_tool_turn(private, spec) -> None:
     assert per_turn.get("task messages", 0) == TASK_MESSAGES_PER_TOOL_TURN, shown
     assert per_turn.get("event messages", 0) == EVENT_MESSAGES_PER_TOOL_TURN, shown
     assert per_turn.get("round trips", 0) == ROUND_TRIPS_PER_TOOL_TURN, shown
+
+
+SUBMIT_ROUND_TRIPS = 3  # the live workers' catalog with Redis's clock, CREATE, the first turn's message
+
+
+def test_a_submit_is_three_round_trips(private, spec) -> None:
+    """A producer's submit: its tools checked against the live workers' catalog (read once,
+    with Redis's clock), the run written, its first turn sent. Was 6: the catalog read twice,
+    each a TIME and an HGETALL."""
+    d, watch = private
+    run = spec([tools(call("add", {"a": 1, "b": 2})), {"content": "done"}], tools=["add"])
+    d.client.submit(run).wait(timeout=60)  # warm-up: scripts loaded, connections open
+    commands = watch.window(lambda: d.client.submit(run))
+    mine = own_ports()
+    sent = [c["command"].split(" ", 2)[:2] for c in commands
+            if c["client_port"] in mine and c["client_type"] != "lua"]  # fmt: skip
+    names = {s.sha: n for n, s in d.store._scripts.items()} | {d.store._workers.sha: "WORKERS"}
+    shown = [names.get(w[1], " ".join(w)) if w[0].upper() == "EVALSHA" else " ".join(w) for w in sent]
+    assert len(sent) == SUBMIT_ROUND_TRIPS, shown
+    assert shown[:2] == ["WORKERS", "CREATE"] and sent[2][0].upper() == "LPUSH", shown
