@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from worker.sandbox import reuse, zygote
+import worker.sandbox.reuse as reuse
+import worker.sandbox.zygote as zygote
 from worker.sandbox.child import _limits
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.plan import _Plan
