@@ -421,7 +421,9 @@ def _control(verdict: str, run_id: str, action: str) -> None:
 @app.command()
 def pause(run_id: RunArg) -> None:
     """Park a run in Redis; nothing starts until resume."""
-    _control(_client().store.pause(run_id, by=_who()), run_id, "pause")
+    from orchestrator import control
+
+    _control(control.pause(_client().store, run_id, by=_who()), run_id, "pause")
 
 
 @app.command()
@@ -444,7 +446,9 @@ def abort(
     reason: Annotated[str, typer.Option(help="recorded in the run's error")] = "abort requested",
 ) -> None:
     """End a run now: status and exit `aborted`."""
-    _control(_client().store.abort(run_id, by=_who(), reason=reason), run_id, "abort")
+    from orchestrator import control
+
+    _control(control.abort(_client().store, run_id, by=_who(), reason=reason), run_id, "abort")
 
 
 CallArg = Annotated[str, typer.Argument(help="the model's tool call id (shown by `tooloop watch`)")]

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orchestrator.control as control
 from orchestrator.events import Event
 from orchestrator.fairshare import moved, of
 from orchestrator.keys import run_id_error
@@ -153,7 +154,7 @@ class RunHandle:
         yield from self._store.follow_events(self.run_id, timeout=timeout)
 
     def pause(self, by: str = "operator") -> str:
-        return self._store.pause(self.run_id, by)
+        return control.pause(self._store, self.run_id, by)
 
     def resume(self, by: str = "operator") -> str:
         return self.client.resume(self.run_id, by)
@@ -176,7 +177,7 @@ class RunHandle:
         return pending(self._store, self.run_id)
 
     def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
-        return self._store.abort(self.run_id, by, reason)
+        return control.abort(self._store, self.run_id, by, reason)
 
     def fork(self, at: int, prompt_append: str | None = None, model: str | None = None,
              by: str = "operator") -> RunHandle:  # fmt: skip

@@ -162,7 +162,7 @@ def flush(timeout_ms: int = 5000) -> None:
 
 def observing() -> bool:
     """Tracing or counting is on in this process: worth a Redis read or two per step."""
-    from orchestrator import metrics
+    import orchestrator.metrics as metrics
 
     return enabled() or metrics.counting()
 
@@ -283,7 +283,7 @@ def observe_end(store: Any, run_id: str, state: dict[str, str] | None = None) ->
         return False
     if not store.redis.eval(MARK_END, 1, store.keys.run(run_id), END_MARK):
         return False
-    from orchestrator import metrics
+    import orchestrator.metrics as metrics
 
     m = metrics.get()
     if m is not None:
