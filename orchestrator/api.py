@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from orchestrator import console, control, metrics, telemetry
+from orchestrator import console, control, metrics
 from orchestrator.api_state import ApiState
 from orchestrator.bounds import API_BODY_MAX_BYTES, TooLong
 from orchestrator.client import Client
@@ -36,6 +36,7 @@ from orchestrator.connections import connect_async
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
 from orchestrator.models import ForkedFrom, RunResult, Status
+from orchestrator.observation import observe_end
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tokens import match_token as _match_token
 from orchestrator.tokens import token_digest
@@ -330,7 +331,7 @@ def abort(
     with _bounded():
         verdict = control.abort(api.client.store, run_id, f"api:{tenant}", reason)
     reply = _reply(api, run_id, "abort", verdict)
-    telemetry.observe_end(api.client.store, run_id)  # no task of the run may run again to see it
+    observe_end(api.client.store, run_id)  # no task of the run may run again to see it
     return reply
 
 

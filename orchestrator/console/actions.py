@@ -14,10 +14,11 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from orchestrator import control, telemetry
+from orchestrator import control
 from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS
 from orchestrator.console.auth import SESSION_COOKIE, csrf_ok
 from orchestrator.console.web import Console, ConsoleState, Viewer, finish, owned, wants_json
+from orchestrator.observation import observe_end
 
 router = APIRouter(include_in_schema=False)
 Csrf = Annotated[str, Form()]
@@ -113,7 +114,7 @@ def abort(
         return _too_long(request, run_id, "reason", len(reason), REASON_MAX_CHARS)
     store = console.api.client.store
     verdict = control.abort(store, run_id, _by(viewer), reason.strip() or "aborted from the console")
-    telemetry.observe_end(store, run_id)  # as the API does: no task of the run may run again to see it
+    observe_end(store, run_id)  # as the API does: no task of the run may run again to see it
     return _answer(request, console, run_id, "abort", verdict)
 
 
