@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orchestrator.control as control
+import orchestrator.fairshare as fairshare
 from orchestrator.events import Event
-from orchestrator.fairshare import moved, of
 from orchestrator.keys import run_id_error
 from orchestrator.models import RunResult, RunSpec, Status
 from orchestrator.prompt import initial_messages
@@ -51,7 +52,7 @@ class Client:
         run_id = run_id or uuid.uuid4().hex
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
         traced = {"tooloop.tenant": spec.tenant, "tooloop.model": spec.model}
-        fair = of(self.store)
+        fair = fairshare.of(self.store)
         with submit_span(self.store.keys.prefix, run_id, traced):
             gen = self.store.create(run_id, report.stored_spec, messages, fair.mode if fair else "")
             if fair is not None and fair.policy.gating:  # sent now, or when its tenant's queue admits it
@@ -77,7 +78,7 @@ class Client:
 
         kind, found = self.store.resume(run_id, by)
         if kind in ("turn", "calls", "none"):  # it takes its tenant's slot back (fair share)
-            moved(self.store, run_id, "resume", self.celery)
+            fairshare.moved(self.store, run_id, "resume", self.celery)
         for dispatch in found.sends:
             send(dispatch, self.celery)
         if found.checks:  # the sweeper's check: RESEND only what is gone from its queue
@@ -153,7 +154,7 @@ class RunHandle:
         yield from self._store.follow_events(self.run_id, timeout=timeout)
 
     def pause(self, by: str = "operator") -> str:
-        return self._store.pause(self.run_id, by)
+        return control.pause(self._store, self.run_id, by)
 
     def resume(self, by: str = "operator") -> str:
         return self.client.resume(self.run_id, by)
@@ -176,7 +177,7 @@ class RunHandle:
         return pending(self._store, self.run_id)
 
     def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
-        return self._store.abort(self.run_id, by, reason)
+        return control.abort(self._store, self.run_id, by, reason)
 
     def fork(self, at: int, prompt_append: str | None = None, model: str | None = None,
              by: str = "operator") -> RunHandle:  # fmt: skip

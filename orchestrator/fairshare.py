@@ -27,15 +27,14 @@ waiting to active once), nothing is lost. See docs/fairshare.md.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.keys import SHARDS
+from orchestrator.settings import Settings, parse_pairs
 
 if TYPE_CHECKING:
-    from orchestrator.settings import Settings
     from orchestrator.store import Dispatch, RunStore
 
 log = logging.getLogger(__name__)
@@ -146,27 +145,6 @@ while #admitted < most and (total < 0 or all < total) do
 end
 return {was, admitted, redis.call('SMEMBERS', TENANTS)}
 """
-
-
-def parse_pairs(name: str, raw: str, integer: bool) -> dict[str, float]:
-    """``tenant=value,…`` as a dict; ValueError naming the setting and the bad entry. Values
-    are whole numbers >= 1 (``integer``: caps) or numbers > 0 (weights)."""
-    out: dict[str, float] = {}
-    for number, entry in enumerate((e.strip() for e in raw.split(",") if e.strip()), 1):
-        tenant, sep, text = (part.strip() for part in entry.partition("="))
-        if not sep or not tenant:
-            raise ValueError(f"{name}: entry {number} ({entry!r}) is not tenant=value")
-        if tenant in out:
-            raise ValueError(f"{name}: tenant {tenant!r} is listed twice")
-        wanted = "a whole number >= 1" if integer else "a number > 0"
-        try:
-            value = int(text) if integer else float(text)
-        except ValueError:
-            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected") from None
-        if value < 1 if integer else not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected")
-        out[tenant] = value
-    return out
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from orchestrator import journal
 from orchestrator.bounds import STEER_MAX_CHARS, TooLong, refuse_long
+from orchestrator.journal import Journal, history_at
+from orchestrator.journal import parse as parse_journal
 from orchestrator.keys import parse_call_key, run_id_error, shard_of
 from orchestrator.models import ForkedFrom, RunSpec, Status
 
@@ -118,7 +119,7 @@ class Parent:
     messages: list[dict[str, Any]]
     calls: dict[str, str]
     call_ids: dict[str, str]
-    journal: journal.Journal
+    journal: Journal
 
     @property
     def iteration(self) -> int:
@@ -250,7 +251,7 @@ def read_parent(store: RunStore, run_id: str, tenant: str | None = None) -> Pare
     if not state or (tenant is not None and state.get("tenant") != tenant):
         raise ForkError(f"no run {run_id!r}", "not_found")
     return Parent(run_id, state, [json.loads(_s(m)) for m in out[1]], _pairs(out[2]), _pairs(out[3]),
-                  journal.parse(_pairs(out[4])))  # fmt: skip
+                  parse_journal(_pairs(out[4])))  # fmt: skip
 
 
 def _range_message(parent: Parent, at: Any, latest: int) -> str:
@@ -285,7 +286,7 @@ def _fork_spec(parent: Parent, model: str | None, client: Producer) -> RunSpec:
 
 def _history(store: RunStore, parent: Parent, at: int) -> list[dict[str, Any]]:
     try:
-        return journal.history_at(parent.messages, parent.journal, at, _last_reply(store, parent))
+        return history_at(parent.messages, parent.journal, at, _last_reply(store, parent))
     except LookupError as exc:
         raise ForkError(f"--at {at}: {exc}") from None
 
@@ -325,7 +326,7 @@ def _spent_before(store: RunStore, parent: Parent, at: int) -> tuple[int, float]
     raise ForkError(f"--at {at}: {why}")
 
 
-def _journal_fields(parent: journal.Journal, at: int) -> dict[str, str]:
+def _journal_fields(parent: Journal, at: int) -> dict[str, str]:
     """The parent's journal entries of turns before ``at``, and its tool sets."""
     def before(name: str) -> bool:
         turn = name[1:].split(".")[0]

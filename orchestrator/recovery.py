@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from orchestrator import metrics
+import orchestrator.metrics as metrics
 from orchestrator.broker import queue_depths
 from orchestrator.calls import model_call_id
 from orchestrator.dispatch import call_queue, default_app, enqueue_turn, message_of, send

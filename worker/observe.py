@@ -26,6 +26,7 @@ from orchestrator import logs, metrics, telemetry
 from orchestrator.dispatch import TOOL_TASK, TURN_TASK, run_of
 from orchestrator.keys import call_key
 from orchestrator.models import Status
+from orchestrator.observation import observe_end, observing
 from orchestrator.settings import get_settings
 from orchestrator.store import Finish
 from worker import deferred
@@ -72,7 +73,7 @@ def _enter(task: Any = None, args: Any = None, **_: Any) -> None:
         return
     scope = _scope_for(task, run_id, args)
     _log_token.set(logs.bind(scope.prefix, run_id, scope.iteration, scope.tool))
-    if not telemetry.observing():
+    if not observing():
         return
     _scope.set(scope)
     try:
@@ -156,7 +157,7 @@ def _finish(scope: Scope) -> None:
         if scope.kind != "tool":
             scope.span.set_attributes(_ending(state))
         scope.span.end()
-    telemetry.observe_end(store, scope.run_id, state)
+    observe_end(store, scope.run_id, state)
 
 
 def _finish_tool(scope: Scope, raw: bytes | None) -> None:
