@@ -12,6 +12,9 @@ Off unless configured; with nothing set, no run is gated and no script does any 
   tenant furthest below its weighted share (``TOOLOOP_TENANT_SHARES``, ``tenant=weight,…``,
   default 1) of the model tokens recorded over the last minute: a tenant alone gets every
   slot it may hold; an idle tenant's share goes to the others.
+- A step sent (first turn, tool call, next turn) of a tenant below its weighted share, while
+  another tenant holds a slot or waits, goes to the end of its queue workers take next
+  (``ahead``; the Redis broker only: RabbitMQ's quorum queues keep their order).
 
 The state lives under one hash tag (``{fair}``, keys.py), so ENQUEUE and PUMP below are each
 atomic on Redis Cluster too; a run's own state (its gate: RunStore.mark_waiting /
