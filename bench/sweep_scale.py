@@ -67,7 +67,7 @@ def each(store, script: str, ids: list[str], *args) -> list:
 
 def sweep_round(store, celery, sweepers: int) -> tuple[float, int]:
     """One round over every shard by ``sweepers`` threads: (seconds, steps sent)."""
-    from worker.maintenance import Sweeper
+    from orchestrator.recovery import Sweeper
 
     time.sleep(store.settings.sweep_interval_s)  # the shard locks of the last round lapse
     sent = [0] * sweepers

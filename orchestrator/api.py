@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
@@ -29,13 +28,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from orchestrator import console, metrics, telemetry
+from orchestrator import console, control, metrics
+from orchestrator.api_state import ApiState
 from orchestrator.bounds import API_BODY_MAX_BYTES, TooLong
 from orchestrator.client import Client
 from orchestrator.connections import connect_async
 from orchestrator.events import Event
 from orchestrator.events import parse as parse_event
 from orchestrator.models import ForkedFrom, RunResult, Status
+from orchestrator.observation import observe_end
 from orchestrator.settings import Settings, get_settings
 from orchestrator.tokens import match_token as _match_token
 from orchestrator.tokens import token_digest
@@ -47,15 +48,6 @@ HEARTBEAT_S = 15.0  # an SSE comment when idle this long: keeps proxies from tim
 SHUTDOWN_GRACE_S = 5  # open event streams of live runs must not hold up a restart
 STREAM_ID = re.compile(r"\d+(-\d+)?")  # a Redis Stream id, as sent back in Last-Event-ID
 FIELD_PATH = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")  # how validation names a spec field
-
-
-@dataclass
-class ApiState:
-    client: Client
-    tokens: dict[bytes, str]  # SHA-256 of a bearer token -> tenant (no token kept in clear)
-    events_redis: aioredis.Redis | None = None  # opened in the app's lifespan
-    open_streams: int = 0  # event streams being served right now
-    metrics: Any = None  # the Prometheus registry /metrics serves
 
 
 # -- bodies and replies -----------------------------------------------------------
@@ -319,7 +311,7 @@ CONTROL_ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post("/runs/{run_id}/pause", responses=CONTROL_ERRORS)
 def pause(run_id: OwnedRun, tenant: Tenant, api: Api) -> ControlReply:
     """Park the run in Redis: no model or tool call starts until resume."""
-    return _reply(api, run_id, "pause", api.client.store.pause(run_id, by=f"api:{tenant}"))
+    return _reply(api, run_id, "pause", control.pause(api.client.store, run_id, by=f"api:{tenant}"))
 
 
 @router.post("/runs/{run_id}/resume", responses=CONTROL_ERRORS)
@@ -337,9 +329,9 @@ def abort(
     """End the run now: status and exit `aborted`; an in-flight reply is discarded."""
     reason = (body or AbortBody()).reason
     with _bounded():
-        verdict = api.client.store.abort(run_id, f"api:{tenant}", reason)
+        verdict = control.abort(api.client.store, run_id, f"api:{tenant}", reason)
     reply = _reply(api, run_id, "abort", verdict)
-    telemetry.observe_end(api.client.store, run_id)  # no task of the run may run again to see it
+    observe_end(api.client.store, run_id)  # no task of the run may run again to see it
     return reply
 
 
@@ -369,15 +361,15 @@ def fork(run_id: OwnedRun, tenant: Tenant, api: Api, body: ForkBody) -> ForkRepl
     from orchestrator.fork import ForkError, fork_run
 
     try:
-        handle = fork_run(api.client, run_id, body.at, body.prompt_append, body.model, tenant,
-                          by=f"api:{tenant}")  # fmt: skip
+        fork_id = fork_run(api.client, run_id, body.at, body.prompt_append, body.model, tenant,
+                           by=f"api:{tenant}")  # fmt: skip
     except ForkError as exc:
         if exc.kind == "not_found":
             raise HTTPException(404, f"no run {run_id!r}") from None
         if exc.kind == "spec_refused":
             raise HTTPException(422, _problems(str(exc).split("; "))) from None
         raise HTTPException(400, str(exc)) from None
-    return ForkReply(run_id=handle.run_id, status=Status.queued,
+    return ForkReply(run_id=fork_id, status=Status.queued,
                      forked_from=ForkedFrom(run_id=run_id, iteration=body.at))  # fmt: skip
 
 

@@ -19,7 +19,7 @@ whose hash names its parent. This module holds what the control plane knows of t
   child whose tree's budget is spent ends at its next turn (``CLAIM_TURN``); a run that
   ends aborts its running children and makes its parent's call due within a lease
   (``finish``): whoever ended it records the call at once, else the sweeper sends it.
-- **control and reading**: pause and resume reach a run's children (``pause_children``,
+- **control and reading**: pause and resume reach a run's children (``orchestrator.control``,
   ``paused_children``); ``tree`` lists a run's descendants for ``tooloop status``.
 
 The parent's call waits parked like an approval (call state ``q``, no lease, no worker
@@ -32,16 +32,20 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.keys import SHARDS, run_id_error, shard_of
 from orchestrator.models import AGENT_TOOL_PREFIX, RunSpec
+from orchestrator.spec_report import SpecReport, validation_messages
 
 if TYPE_CHECKING:
     from orchestrator.store import RunStore
-    from orchestrator.validation import SpecReport
+
+# Checks a child spec as if submitted, where its lineage places it (orchestrator.validation's).
+CheckChild = Callable[[RunSpec, "RunStore | None", "Lineage"], SpecReport]
 
 RECHECK_S = 600  # a parked call is looked at again this often (its child's end makes it due sooner)
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
@@ -141,9 +145,10 @@ class Resolved:
                 "source": self.source}  # fmt: skip
 
 
-def check_agents(spec: RunSpec, store: RunStore | None, report: SpecReport, lineage: Lineage) -> None:
-    """Check every child spec as if submitted (their errors named ``agents.<name>.<field>``)
-    and store the tree inline in ``report.stored_spec``."""
+def check_agents(spec: RunSpec, store: RunStore | None, report: SpecReport, lineage: Lineage,
+                 check_child: CheckChild) -> None:  # fmt: skip
+    """Check every child spec as if submitted (``check_child``: their errors named
+    ``agents.<name>.<field>``) and store the tree inline in ``report.stored_spec``."""
     if not spec.agents:
         return
     resolved: dict[str, Any] = {}
@@ -163,19 +168,13 @@ def check_agents(spec: RunSpec, store: RunStore | None, report: SpecReport, line
             continue
         left = min(child.max_depth, lineage.left - 1)
         child = child.model_copy(update={"max_depth": left})
-        sub = _check_child(child, store, replace(child_lineage, depth=lineage.depth + 1, left=left))
+        sub = check_child(child, store, replace(child_lineage, depth=lineage.depth + 1, left=left))
         report.errors += [f"{where}.{e}" for e in sub.errors]
         report.warnings += [f"{where}.{w}" for w in sub.warnings]
         stored = sub.stored_spec.model_dump(mode="json", exclude={"prompt"})
         steering, skills = sub.steering_docs or docs.steering_docs, sub.skill_docs or docs.skill_docs
         resolved[name] = Resolved(stored, steering, skills, docs.source).dump()
     report.stored_spec = report.stored_spec.model_copy(update={"agents": resolved})
-
-
-def _check_child(child: RunSpec, store: RunStore | None, lineage: Lineage) -> SpecReport:
-    from orchestrator.validation import check_spec
-
-    return check_spec(child, store, lineage=lineage)
 
 
 def _load(where: str, entry: Any, lineage: Lineage,
@@ -245,8 +244,6 @@ def _child_spec(where: str, name: str, data: dict[str, Any], parent: RunSpec,
                 errors: list[str]) -> RunSpec | None:  # fmt: skip
     """The child spec as a RunSpec: no prompt of its own, its parent's tenant."""
     from pydantic import ValidationError
-
-    from orchestrator.validation import validation_messages
 
     problems = []
     if "prompt" in data:
@@ -459,14 +456,6 @@ def parent_call(store: RunStore, run_id: str) -> dict[str, str] | None:
 def children_of(store: RunStore, run_id: str) -> list[str]:
     raw = store.redis.hget(store.keys.run(run_id), "children")
     return [str(c) for c in json.loads(raw)] if raw else []
-
-
-def pause_children(store: RunStore, run_id: str, by: str) -> None:
-    """A paused run's running children are paused too (and theirs: ``store.pause`` again)."""
-    for child in children_of(store, run_id):
-        status = store.status(child)
-        if status is not None and not status.ended and status.value != "paused":
-            store.pause(child, by=f"{by} (parent {run_id})")
 
 
 def paused_children(store: RunStore, run_id: str) -> list[str]:

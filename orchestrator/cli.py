@@ -421,7 +421,9 @@ def _control(verdict: str, run_id: str, action: str) -> None:
 @app.command()
 def pause(run_id: RunArg) -> None:
     """Park a run in Redis; nothing starts until resume."""
-    _control(_client().store.pause(run_id, by=_who()), run_id, "pause")
+    from orchestrator import control
+
+    _control(control.pause(_client().store, run_id, by=_who()), run_id, "pause")
 
 
 @app.command()
@@ -444,7 +446,9 @@ def abort(
     reason: Annotated[str, typer.Option(help="recorded in the run's error")] = "abort requested",
 ) -> None:
     """End a run now: status and exit `aborted`."""
-    _control(_client().store.abort(run_id, by=_who(), reason=reason), run_id, "abort")
+    from orchestrator import control
+
+    _control(control.abort(_client().store, run_id, by=_who(), reason=reason), run_id, "abort")
 
 
 CallArg = Annotated[str, typer.Argument(help="the model's tool call id (shown by `tooloop watch`)")]
@@ -496,17 +500,18 @@ def worker(
     )] = None,
 ) -> None:
     """A Celery worker for turns and/or tools."""
-    from orchestrator.keys import Keys
     from orchestrator.settings import get_settings
-    from worker import launcher
 
-    settings = get_settings()
-    try:
-        plans = launcher.plan(Keys(settings.key_prefix), queues.split(","), concurrency)
-        launcher.check_sources(settings.mcp_servers, plans)
-    except ValueError as exc:
-        _fail(str(exc), 2, "usage")
-    raise typer.Exit(launcher.run(plans, name or socket.gethostname(), loglevel, tools, metrics_port))
+    get_settings()  # a bad TOOLOOP_* setting is refused here, as by every command
+    argv = ["-Q", queues, "-l", loglevel]
+    given = {"--tools": tools, "-c": concurrency, "-n": name, "--metrics-port": metrics_port}
+    for flag, value in given.items():
+        argv += [flag, str(value)] if value is not None else []
+    # The data plane's own program from here on (worker/launcher.py), in this process: same pid,
+    # same signals, its exit code ours. The CLI itself never imports worker code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "worker.launcher", *argv])
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

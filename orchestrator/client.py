@@ -8,12 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator import fairshare, telemetry
+import orchestrator.control as control
+import orchestrator.fairshare as fairshare
 from orchestrator.events import Event
 from orchestrator.keys import run_id_error
 from orchestrator.models import RunResult, RunSpec, Status
+from orchestrator.prompt import initial_messages
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import Recovery, RunStore
+from orchestrator.telemetry import submit_span
 from orchestrator.validation import SpecError, bind_tenant, check_spec, parse_spec_data
 
 
@@ -29,7 +32,7 @@ class Client:
     def celery(self) -> Any:
         """The Celery app that sends this client's steps (created on first use)."""
         if self._celery is None:
-            from worker.app import app_for
+            from orchestrator.dispatch import app_for  # (Celery: only a client that sends)
 
             self._celery = app_for(self.settings)
         return self._celery
@@ -37,8 +40,7 @@ class Client:
     def submit(self, spec: RunSpec | dict[str, Any], run_id: str | None = None) -> RunHandle:
         """Validate, write and enqueue a run. A refused spec raises ``SpecError``,
         and nothing is written or enqueued."""
-        from worker.app import enqueue_turn
-        from worker.steps import initial_messages
+        from orchestrator.dispatch import enqueue_turn
 
         if run_id is not None and (bad := run_id_error(run_id)):
             raise SpecError([bad])
@@ -51,7 +53,7 @@ class Client:
         messages = initial_messages(spec, report.steering_docs, report.skill_docs)
         traced = {"tooloop.tenant": spec.tenant, "tooloop.model": spec.model}
         fair = fairshare.of(self.store)
-        with telemetry.submit_span(self.store.keys.prefix, run_id, traced):
+        with submit_span(self.store.keys.prefix, run_id, traced):
             gen = self.store.create(run_id, report.stored_spec, messages, fair.mode if fair else "")
             if fair is not None and fair.policy.gating:  # sent now, or when its tenant's queue admits it
                 fair.submitted(run_id, spec.tenant, self.celery)
@@ -71,8 +73,8 @@ class Client:
         """Resume a paused run: enqueue the step it was parked on, unless its message
         still waits in the queue (at most one message per waiting step)."""
         from orchestrator.children import paused_children
-        from worker.app import send
-        from worker.maintenance import reenqueue
+        from orchestrator.dispatch import send
+        from orchestrator.recovery import reenqueue
 
         kind, found = self.store.resume(run_id, by)
         if kind in ("turn", "calls", "none"):  # it takes its tenant's slot back (fair share)
@@ -93,7 +95,8 @@ class Client:
         tenant's run, for a producer bound to a tenant, is not found)."""
         from orchestrator.fork import fork_run
 
-        return fork_run(self, run_id, at, prompt_append, model, self.settings.tenant or None, by)
+        tenant = self.settings.tenant or None
+        return RunHandle(self, fork_run(self, run_id, at, prompt_append, model, tenant, by))
 
     def decide(self, run_id: str, call_id: str, approved: bool, reason: str = "",
                by: str = "operator") -> str:  # fmt: skip
@@ -101,7 +104,7 @@ class Client:
         'unknown' (no such call waiting), 'ended', 'missing'. An approved call is dispatched;
         a denied one is recorded failed with ``reason``, fed back to the model."""
         from orchestrator.approvals import decide
-        from worker.app import enqueue_call
+        from orchestrator.dispatch import enqueue_call
 
         verdict, payload, gen = decide(self.store, run_id, call_id, approved, reason, by)
         if payload is not None:
@@ -151,7 +154,7 @@ class RunHandle:
         yield from self._store.follow_events(self.run_id, timeout=timeout)
 
     def pause(self, by: str = "operator") -> str:
-        return self._store.pause(self.run_id, by)
+        return control.pause(self._store, self.run_id, by)
 
     def resume(self, by: str = "operator") -> str:
         return self.client.resume(self.run_id, by)
@@ -174,7 +177,7 @@ class RunHandle:
         return pending(self._store, self.run_id)
 
     def abort(self, reason: str = "abort requested", by: str = "operator") -> str:
-        return self._store.abort(self.run_id, by, reason)
+        return control.abort(self._store, self.run_id, by, reason)
 
     def fork(self, at: int, prompt_append: str | None = None, model: str | None = None,
              by: str = "operator") -> RunHandle:  # fmt: skip

@@ -27,15 +27,14 @@ waiting to active once), nothing is lost. See docs/fairshare.md.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.keys import SHARDS
+from orchestrator.settings import Settings, parse_pairs
 
 if TYPE_CHECKING:
-    from orchestrator.settings import Settings
     from orchestrator.store import Dispatch, RunStore
 
 log = logging.getLogger(__name__)
@@ -146,27 +145,6 @@ while #admitted < most and (total < 0 or all < total) do
 end
 return {was, admitted, redis.call('SMEMBERS', TENANTS)}
 """
-
-
-def parse_pairs(name: str, raw: str, integer: bool) -> dict[str, float]:
-    """``tenant=value,…`` as a dict; ValueError naming the setting and the bad entry. Values
-    are whole numbers >= 1 (``integer``: caps) or numbers > 0 (weights)."""
-    out: dict[str, float] = {}
-    for number, entry in enumerate((e.strip() for e in raw.split(",") if e.strip()), 1):
-        tenant, sep, text = (part.strip() for part in entry.partition("="))
-        if not sep or not tenant:
-            raise ValueError(f"{name}: entry {number} ({entry!r}) is not tenant=value")
-        if tenant in out:
-            raise ValueError(f"{name}: tenant {tenant!r} is listed twice")
-        wanted = "a whole number >= 1" if integer else "a number > 0"
-        try:
-            value = int(text) if integer else float(text)
-        except ValueError:
-            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected") from None
-        if value < 1 if integer else not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected")
-        out[tenant] = value
-    return out
 
 
 @dataclass(frozen=True)
@@ -285,7 +263,7 @@ class FairShare:
         return sent
 
     def _send(self, dispatch: Dispatch, celery_app: Any) -> None:
-        from worker.app import send
+        from orchestrator.dispatch import send
 
         try:
             send(dispatch, celery_app or self.celery)
@@ -295,7 +273,7 @@ class FairShare:
     @property
     def celery(self) -> Any:
         if self._celery is None:
-            from worker.app import app_for
+            from orchestrator.dispatch import app_for
 
             self._celery = app_for(self.store.settings)
         return self._celery
@@ -396,3 +374,16 @@ _UNSET = object()
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def queue_gated(store: RunStore, run_id: str, celery_app: Any = None) -> None:
+    """A run written gated whose place in its tenant's queue was never confirmed: queue it
+    (ENQUEUE keeps a place it already has, so this admits nothing twice)."""
+    fair = of(store)
+    tenant = _s(store.redis.hget(store.keys.run(run_id), "tenant") or "default")
+    if fair is None or not fair.policy.gating:  # fair share was turned off: let it go
+        fair = FairShare(store, Policy({}, {}, None))
+        fair.open([run_id], celery_app)
+        return
+    log.warning("run %s: not in its tenant's queue yet; queued by the sweeper", run_id)
+    fair.submitted(run_id, tenant, celery_app)

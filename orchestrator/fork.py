@@ -26,17 +26,18 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from orchestrator import journal
 from orchestrator.bounds import STEER_MAX_CHARS, TooLong, refuse_long
+from orchestrator.journal import Journal, history_at
+from orchestrator.journal import parse as parse_journal
 from orchestrator.keys import parse_call_key, run_id_error, shard_of
 from orchestrator.models import ForkedFrom, RunSpec, Status
 
 if TYPE_CHECKING:
-    from orchestrator.client import Client, RunHandle
+    from orchestrator.settings import Settings
     from orchestrator.store import RunStore
 
 # Errors a call that never ran gives: no effect to warn about.
@@ -118,7 +119,7 @@ class Parent:
     messages: list[dict[str, Any]]
     calls: dict[str, str]
     call_ids: dict[str, str]
-    journal: journal.Journal
+    journal: Journal
 
     @property
     def iteration(self) -> int:
@@ -152,19 +153,28 @@ class Plan:
     not_idempotent: list[str] = field(default_factory=list)  # tools of calls before `at`
 
 
+class Producer(Protocol):
+    """What a fork needs of the client that makes it (``orchestrator.client.Client``)."""
+
+    store: RunStore
+    settings: Settings
+
+    @property
+    def celery(self) -> Any: ...
+
+
 def fork_run(
-    client: Client,
+    client: Producer,
     run_id: str,
     at: int,
     prompt_append: str | None = None,
     model: str | None = None,
     tenant: str | None = None,
     by: str = "operator",
-) -> RunHandle:
+) -> str:
     """Fork ``run_id`` at turn ``at``; ``tenant``: the caller's (another tenant's run is not
-    found). ``ForkError`` when refused; nothing is written then."""
-    from orchestrator.client import RunHandle
-    from worker.app import enqueue_turn
+    found). The new run's id; ``ForkError`` when refused, and nothing is written then."""
+    from orchestrator.dispatch import enqueue_turn  # (Celery: only when a fork is sent)
 
     store = client.store
     parent = read_parent(store, run_id, tenant)
@@ -196,7 +206,7 @@ def fork_run(
     if not write(store, fork_id, plan):
         raise ForkError(f"run {fork_id} already exists")
     enqueue_turn(fork_id, at, 1, client.celery)
-    return RunHandle(client, fork_id)
+    return fork_id
 
 
 def write(store: RunStore, run_id: str, plan: Plan) -> bool:
@@ -241,7 +251,7 @@ def read_parent(store: RunStore, run_id: str, tenant: str | None = None) -> Pare
     if not state or (tenant is not None and state.get("tenant") != tenant):
         raise ForkError(f"no run {run_id!r}", "not_found")
     return Parent(run_id, state, [json.loads(_s(m)) for m in out[1]], _pairs(out[2]), _pairs(out[3]),
-                  journal.parse(_pairs(out[4])))  # fmt: skip
+                  parse_journal(_pairs(out[4])))  # fmt: skip
 
 
 def _range_message(parent: Parent, at: Any, latest: int) -> str:
@@ -252,7 +262,7 @@ def _range_message(parent: Parent, at: Any, latest: int) -> str:
     return f"--at {at}: run {parent.run_id} has {turns} turn(s); a fork is made at 1..{latest}"
 
 
-def _fork_spec(parent: Parent, model: str | None, client: Client) -> RunSpec:
+def _fork_spec(parent: Parent, model: str | None, client: Producer) -> RunSpec:
     """The parent's stored spec (credentials stay sealed for the same tenant), its own folder,
     and the model given, checked as at submit."""
     from orchestrator.validation import check_model_params
@@ -276,7 +286,7 @@ def _fork_spec(parent: Parent, model: str | None, client: Client) -> RunSpec:
 
 def _history(store: RunStore, parent: Parent, at: int) -> list[dict[str, Any]]:
     try:
-        return journal.history_at(parent.messages, parent.journal, at, _last_reply(store, parent))
+        return history_at(parent.messages, parent.journal, at, _last_reply(store, parent))
     except LookupError as exc:
         raise ForkError(f"--at {at}: {exc}") from None
 
@@ -316,7 +326,7 @@ def _spent_before(store: RunStore, parent: Parent, at: int) -> tuple[int, float]
     raise ForkError(f"--at {at}: {why}")
 
 
-def _journal_fields(parent: journal.Journal, at: int) -> dict[str, str]:
+def _journal_fields(parent: Journal, at: int) -> dict[str, str]:
     """The parent's journal entries of turns before ``at``, and its tool sets."""
     def before(name: str) -> bool:
         turn = name[1:].split(".")[0]

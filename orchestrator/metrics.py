@@ -123,7 +123,7 @@ class FleetCollector:
         its runs waiting, and the tokens its runs recorded; nothing when it is off."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        from orchestrator import fairshare
+        import orchestrator.fairshare as fairshare
 
         if fairshare.Policy.from_settings(self.settings) is None:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from functools import lru_cache
@@ -53,8 +54,6 @@ class Settings(BaseSettings):
     @field_validator("tenant_shares", "tenant_max_active")
     @classmethod
     def _fair_share_pairs(cls, value: str, info: ValidationInfo) -> str:
-        from orchestrator.fairshare import parse_pairs
-
         name = info.field_name or ""
         parse_pairs(f"TOOLOOP_{name.upper()}", value, integer=name == "tenant_max_active")
         return value
@@ -112,3 +111,24 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def parse_pairs(name: str, raw: str, integer: bool) -> dict[str, float]:
+    """``tenant=value,…`` as a dict; ValueError naming the setting and the bad entry. Values
+    are whole numbers >= 1 (``integer``: caps) or numbers > 0 (weights)."""
+    out: dict[str, float] = {}
+    for number, entry in enumerate((e.strip() for e in raw.split(",") if e.strip()), 1):
+        tenant, sep, text = (part.strip() for part in entry.partition("="))
+        if not sep or not tenant:
+            raise ValueError(f"{name}: entry {number} ({entry!r}) is not tenant=value")
+        if tenant in out:
+            raise ValueError(f"{name}: tenant {tenant!r} is listed twice")
+        wanted = "a whole number >= 1" if integer else "a number > 0"
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected") from None
+        if value < 1 if integer else not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name}: {tenant}={text!r}: {wanted} expected")
+        out[tenant] = value
+    return out

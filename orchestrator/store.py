@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from orchestrator import fairshare, scripts
+import orchestrator.scripts as scripts
 from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS, refuse_long
 from orchestrator.connections import connect
 from orchestrator.events import Event
@@ -375,6 +375,7 @@ class RunStore:
 
     # -- directives -----------------------------------------------------------
     def pause(self, run_id: str, by: str = "operator") -> str:
+        """The PAUSE directive alone; with its child runs and fair share: ``orchestrator.control``."""
         raw = self.redis.hget(self.keys.run(run_id), "spec")
         if raw is None:
             return "missing"
@@ -382,14 +383,7 @@ class RunStore:
             pause_max_s = float(json.loads(raw).get("pause_max_s", 3600))
         except (ValueError, TypeError, AttributeError):
             pause_max_s = 3600.0
-        verdict = _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
-        if verdict in ("ok", "already"):  # its child runs pause with it (orchestrator/children.py)
-            from orchestrator.children import pause_children
-
-            pause_children(self, run_id, by)
-        if verdict == "ok":  # a paused run gives its tenant's slot up
-            fairshare.moved(self, run_id, "park")
-        return verdict
+        return _s(self._run("PAUSE", run_id, int(pause_max_s * 1000), by))
 
     def resume(self, run_id: str, by: str = "operator") -> tuple[str, Recovery]:
         """('turn' | 'calls' | 'none' | a reason, the waiting steps): ``sends`` are to be
@@ -407,12 +401,10 @@ class RunStore:
         return _s(self._run("STEER", run_id, json.dumps(message), by, STEER_MAX))
 
     def abort(self, run_id: str, by: str = "operator", reason: str = "abort requested") -> str:
-        """``TooLong`` (nothing written) when ``reason`` is over REASON_MAX_CHARS."""
+        """The ABORT directive alone (with fair share: ``orchestrator.control``). ``TooLong``
+        (nothing written) when ``reason`` is over REASON_MAX_CHARS."""
         refuse_long("reason", reason, REASON_MAX_CHARS)
-        verdict = _s(self._run("ABORT", run_id, by, reason))
-        if verdict == "ok":
-            fairshare.moved(self, run_id, "end")
-        return verdict
+        return _s(self._run("ABORT", run_id, by, reason))
 
     def mark_once(self, run_id: str, key: str, *event_fields: Any) -> bool:
         """Supervisor: True the first time ``key`` is marked for this run (emits an event)."""

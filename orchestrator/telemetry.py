@@ -160,13 +160,6 @@ def flush(timeout_ms: int = 5000) -> None:
         provider.force_flush(timeout_ms)
 
 
-def observing() -> bool:
-    """Tracing or counting is on in this process: worth a Redis read or two per step."""
-    from orchestrator import metrics
-
-    return enabled() or metrics.counting()
-
-
 # -- contexts ---------------------------------------------------------------------------------
 def run_context(prefix: str, run_id: str) -> Any:
     """An OpenTelemetry context whose parent is the run's span."""
@@ -268,28 +261,6 @@ def run_attributes(run_id: str, state: dict[str, str]) -> dict[str, Any]:
         if value not in (None, ""):
             attrs[attr] = kind(value)
     return attrs
-
-
-def observe_end(store: Any, run_id: str, state: dict[str, str] | None = None) -> bool:
-    """Count a run's end and emit its span, once per run, in whichever process sees it first
-    (the worker that ended it, the tool worker that finds it aborted, the API that aborted it)."""
-    if not observing():
-        return False
-    if state is None:
-        raw = store.redis.hmget(store.keys.run(run_id), RUN_FIELDS)
-        state = {k: v.decode() for k, v in zip(RUN_FIELDS, raw, strict=True) if v is not None}
-    status = state.get("status")
-    if status not in ENDED:
-        return False
-    if not store.redis.eval(MARK_END, 1, store.keys.run(run_id), END_MARK):
-        return False
-    from orchestrator import metrics
-
-    m = metrics.get()
-    if m is not None:
-        m.runs_ended.labels(status, state.get("exit", "")).inc()
-    emit_run_span(store.keys.prefix, run_id, state)
-    return True
 
 
 def scrub(text: str) -> str:

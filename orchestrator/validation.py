@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -13,6 +12,7 @@ from orchestrator.http_tools import check_http_tools
 from orchestrator.models import RunSpec
 from orchestrator.secrets import SecretError, seal_params
 from orchestrator.settings import Settings, get_settings
+from orchestrator.spec_report import SpecReport, validation_messages
 
 if TYPE_CHECKING:
     from orchestrator.children import Lineage
@@ -45,29 +45,6 @@ def parse_spec_data(data: dict[str, Any]) -> RunSpec:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(validation_messages(exc)) from exc
-
-
-STRICT_TYPES = ("int_type", "float_type", "bool_type")  # strict fields (orchestrator/scalars.py)
-
-
-def validation_messages(exc: ValidationError) -> list[str]:
-    out = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "spec"
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        if err["type"] in STRICT_TYPES:  # `true` or "5" where a number goes: say what was given
-            msg += f", not {err['input']!r}"
-        out.append(f"{where}: {msg}")
-    return out
-
-
-@dataclass
-class SpecReport:
-    stored_spec: RunSpec  # what goes to Redis: credentials sealed for the tenant
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    steering_docs: list[str] = field(default_factory=list)
-    skill_docs: list[str] = field(default_factory=list)
 
 
 def check_spec(spec: RunSpec, store: RunStore | None, run_id: str | None = None,
@@ -103,7 +80,7 @@ def _check_agents(spec: RunSpec, store: RunStore | None, settings: Settings, rep
         return
     from orchestrator.children import Lineage, check_agents
 
-    check_agents(spec, store, report, lineage or Lineage.root(spec, settings.agents_dir))
+    check_agents(spec, store, report, lineage or Lineage.root(spec, settings.agents_dir), _check_child)
     if lineage is None and (too_large := spec_size_error(report.stored_spec.model_dump_json())):
         report.errors.append(f"agents: with its child specs inline, {too_large}")
 
@@ -212,3 +189,8 @@ def _check_tools(spec: RunSpec, catalog: dict[str, Any], report: SpecReport) -> 
     if unknown:
         known = ", ".join(sorted(catalog))
         report.errors.append(f"tools: {unknown} not provided by any live worker (known: {known})")
+
+
+def _check_child(child: RunSpec, store: RunStore | None, lineage: Lineage) -> SpecReport:
+    """A child spec, checked as if submitted where ``lineage`` places it (check_agents)."""
+    return check_spec(child, store, lineage=lineage)

@@ -251,7 +251,7 @@ class Stack:
 
     def queued(self, queue: str, celery_app=None) -> int:
         """Messages waiting in one of this stack's queues (whatever the broker)."""
-        from worker.broker import queue_depths
+        from orchestrator.broker import queue_depths
 
         return queue_depths(celery_app or self.client.celery, [queue])[queue] or 0
 
@@ -284,8 +284,20 @@ class _Vhost:
                 pytest.fail(why)
             pytest.skip(why)
         if cls.vhost is None:
+            cls.check_budget()
             cls.vhost = RabbitVhost(base, vhost_name(os.environ["TOOLOOP_KEY_PREFIX"]))
         return cls.vhost.url
+
+    @staticmethod
+    def check_budget() -> None:
+        """At most four test processes use RabbitMQ at once: the amqp stacks' groups,
+        test_rabbitmq's, and one more (test_cluster's)."""
+        from tests.servers import check_handle_budget
+
+        try:
+            check_handle_budget(min(4, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+        except RuntimeError as e:
+            pytest.fail(str(e))
 
     @staticmethod
     def _answers(base: str, within: float = 30) -> bool:
@@ -395,7 +407,7 @@ class Deployment:
 
     def queued(self, queue: str) -> int:
         """Messages waiting in one of this deployment's queues (whatever the broker)."""
-        from worker.broker import queue_depths
+        from orchestrator.broker import queue_depths
 
         return queue_depths(self.client.celery, [queue])[queue] or 0
 

@@ -80,6 +80,31 @@ def drop_stale_vhosts() -> list[str]:
     return stale
 
 
+# Measured: a test process using RabbitMQ holds up to ~300 of its file handles at once (Celery's
+# 28 delayed-delivery quorum queues and ~28 per live deployment, ~3 handles per quorum queue).
+HANDLES_PER_PROCESS = 300
+
+
+def check_handle_budget(processes: int) -> None:
+    """Fail at once, saying why, where RabbitMQ's file-handle budget is below what ``processes``
+    test processes on it need: past its budget RabbitMQ accepts no connection, and every
+    worker start then times out after minutes (Debian's `ulimit -n` 1024 gives 927)."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:  # a remote RabbitMQ: its budget is its operator's
+        return
+    done = subprocess.run([ctl, "-q", "eval", "file_handle_cache:get_limit()."],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    if done.returncode != 0 or not done.stdout.strip().isdigit():
+        return
+    limit, need = int(done.stdout), HANDLES_PER_PROCESS * processes
+    if limit < need:
+        raise RuntimeError(
+            f"RabbitMQ has a budget of {limit} file handles; {processes} test processes on it need "
+            f"~{need} (~3 per quorum queue). Restart it with a higher `ulimit -n` as .ci/run does, "
+            "or run fewer test processes (-n)"
+        )
+
+
 def _ctl(ctl: str, *args: str) -> bool:
     done = subprocess.run([ctl, "-q", *args], capture_output=True, timeout=60)
     return done.returncode == 0

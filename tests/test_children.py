@@ -279,9 +279,9 @@ def test_a_turn_lost_before_it_started_its_child_is_made_good(client, worker, sp
     finds it missing and sends it, and a tool worker starts the child."""
     import uuid
 
+    from orchestrator.prompt import initial_messages
     from orchestrator.store import new_owner
     from worker.calls import stored_call
-    from worker.steps import initial_messages
 
     kid = child(model_server, [{"content": "hello"}])
     s = RunSpec.model_validate(spec([tools(call("agent__kid", {"prompt": "hi"}, call_id="c1")),

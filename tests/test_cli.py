@@ -198,16 +198,16 @@ def test_a_client_sends_to_its_own_prefix_whatever_the_module_app_was_made_with(
     """The module's Celery app is made once, at import, from the environment of then; a
     client made since under another prefix must not send through it (its turns went to
     queues no worker reads: each run 'recovered' by the sweeper a lease later)."""
-    import worker.app
-    from orchestrator import Client
+    from orchestrator import Client, dispatch
     from orchestrator.settings import get_settings
 
     stale = get_settings().model_copy(update={"key_prefix": f"{own_prefix}-stale"})
-    monkeypatch.setattr(worker.app, "app", worker.app.make_app(stale))
+    module_app = dispatch.make_app(stale)
+    monkeypatch.setattr(dispatch, "default_app", lambda: module_app)
     client = Client()
     assert client.settings.key_prefix == own_prefix
     assert client.celery.tooloop_settings.key_prefix == own_prefix
-    assert Client(settings=stale).celery is worker.app.app  # the same settings: the same app
+    assert Client(settings=stale).celery is module_app  # the same settings: the same app
 
 
 # -- list and watch ----------------------------------------------------------------------------

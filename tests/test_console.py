@@ -172,18 +172,18 @@ def _a_run_whose_first_message_was_lost(client: Any, spec: Any) -> Any:
     (``Settings.lease_s``: 15 s for the suite's workers) and sends it."""
     import uuid
 
-    import worker.app
+    from orchestrator import dispatch
 
     def producer_dies(*args: Any) -> None:
         raise ConnectionError("the producer died before it published the run's first turn")
 
     run_id = uuid.uuid4().hex
-    real, worker.app.enqueue_turn = worker.app.enqueue_turn, producer_dies
+    real, dispatch.enqueue_turn = dispatch.enqueue_turn, producer_dies
     try:
         with pytest.raises(ConnectionError):
             client.submit(spec([{"content": "recovered"}], tenant="acme"), run_id=run_id)
     finally:
-        worker.app.enqueue_turn = real
+        dispatch.enqueue_turn = real
     return client.get(run_id)
 
 

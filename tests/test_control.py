@@ -140,7 +140,7 @@ def test_a_pause_and_resume_is_not_reported_as_a_lost_message(client, worker, sp
     s = spec([{"content": broken, "hold": first}, tools(call("add", {"a": 1, "b": 2}), hold=second),
               tools(call("wait_for_file", {"name": "go"})), {"content": "done"}],
              tools=["add", "wait_for_file"])  # fmt: skip
-    caplog.set_level("WARNING", logger="worker.maintenance")
+    caplog.set_level("WARNING", logger="orchestrator.recovery")
     handle = client.submit(s)
     run_id = handle.run_id
     # 1. a turn's message taken by a worker that found the run paused

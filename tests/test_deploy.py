@@ -147,7 +147,7 @@ def test_manifests_say_what_the_code_does() -> None:
     assert trigger["type"] == "redis"
     assert trigger["metadata"]["listName"] == keys.broker_prefix + keys.turn_queue
     assert trigger["metadata"]["username"] == "tooloop"
-    # tool calls wait in the shared list and in one list per tool (worker.app.call_queue):
+    # tool calls wait in the shared list and in one list per tool (orchestrator.dispatch.call_queue):
     # the tools pool scales on the gauge that sums them all, as the pods export it
     assert keys.tool_queue_of("add") != keys.tool_queue
     trigger = scaled["tooloop-tools"]["spec"]["triggers"][0]

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from orchestrator import Status
+from orchestrator.broker import purge
 from tests.helpers import call, gate, tools, wait_for
-from worker.broker import purge
 
 RECOVERY_S = 6.0
 

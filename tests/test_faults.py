@@ -354,7 +354,7 @@ def test_a_redis_blip_at_record_time_keeps_the_result(deployment, spec, aof_redi
 
 # -- item 9: pause expiry races a resume -------------------------------------------------
 def test_pause_expiry_never_aborts_a_resumed_run(deployment, spec):
-    from worker.maintenance import reenqueue
+    from orchestrator.recovery import reenqueue
 
     d = deployment()
     handle = d.client.submit(spec([{"content": "x"}], pause_max_s=0.2))

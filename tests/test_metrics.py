@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator import Status, telemetry
+from orchestrator import Status, control, telemetry
 from orchestrator.local import free_port
 from tests.helpers import call, gate, tools, wait_for
 
@@ -60,10 +60,10 @@ def test_a_scrape_after_a_run_shows_the_counters_moved(deployment, spec, holds) 
     s2 = spec([tools(call("add", {"a": 1, "b": 1}), hold=held), {"content": "never"}], tools=["add"])
     handle = d.client.submit(s2)
     wait_for(lambda: handle.status() == Status.running)
-    assert d.store.pause(handle.run_id) == "ok"
+    assert control.pause(d.store, handle.run_id) == "ok"
     paused = scrape(port)
     assert value(paused, "tooloop_live_runs") == 1 and value(paused, "tooloop_paused_runs") == 1
-    d.store.abort(handle.run_id, reason="test")
+    control.abort(d.store, handle.run_id, reason="test")
     held.set()  # the turn's reply is discarded; its task sees the run ended
     ended = wait_for(lambda: (m := scrape(port)) and value(m, "tooloop_runs_ended_total", status="aborted",
                                                            exit="aborted") == 1 and m)  # fmt: skip
@@ -195,7 +195,7 @@ def test_doctor_counts_what_waits_on_a_redis_broker(deployment, spec, capsys) ->
         printed = capsys.readouterr().out.splitlines()
         assert f"queue {keys.turn_queue}: 2 waiting" in printed, printed
         assert f"queue {keys.tool_queue}: 3 waiting" in printed, printed
-        assert d.queued(keys.turn_queue) == 2  # worker.broker.queue_depths (the sweeper's, on AMQP)
+        assert d.queued(keys.turn_queue) == 2  # orchestrator.broker.queue_depths (the sweeper's, on AMQP)
     finally:
         r.delete(own, shared)
         d.store.remove_worker(f"{d.prefix}-gone")

@@ -18,8 +18,8 @@ import pytest
 from kombu import Connection
 
 from orchestrator import Status
+from orchestrator.broker import DELIVERY_LIMIT, queue_arguments
 from tests.helpers import call, flower, flower_task_names, once_flower_shows, tools, wait_for
-from worker.broker import DELIVERY_LIMIT, queue_arguments
 
 # One test process runs this module (one vhost): each test's deployment declares a quorum
 # queue per tool, ~3 of RabbitMQ's file handles each, and the module spread over six

@@ -917,8 +917,12 @@ def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
     from orchestrator import secrets as sealing
     from worker import app as worker_app
 
+    # A port bound and never listened on: connecting is refused, whatever else the suite
+    # starts (a fixed 6390 was once taken by a test's Redis: the connection then stayed in use)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
     password, key = f"hunter2-{uuid.uuid4().hex[:6]}", f"sealing-{uuid.uuid4().hex[:6]}"
-    url = f"redis://:{password}@127.0.0.1:6390/0"
+    url = f"redis://:{password}@127.0.0.1:{closed.getsockname()[1]}/0"
     gc.disable()  # garbage not yet collected is copied by a fork too: the hunt must not depend on when
     try:
         monkeypatch.setenv("TOOLOOP_SECRET_KEY", key)
@@ -936,6 +940,7 @@ def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:
         yield password, key
     finally:
         gc.enable()
+        closed.close()
         get_settings.cache_clear()
         worker_app.get_store.cache_clear()
         sealing._fernet.cache_clear()
@@ -1333,8 +1338,8 @@ def allow_root() -> str:
 def submit_unchecked(client: Client, spec_data: dict, run_id: str | None = None) -> Any:
     """What a producer with Redis access can do: write and enqueue a run, skipping submit's checks."""
     from orchestrator.models import RunSpec
+    from orchestrator.prompt import initial_messages
     from worker.app import enqueue_turn
-    from worker.steps import initial_messages
 
     run_spec = RunSpec.model_validate(spec_data)
     run_id = run_id or uuid.uuid4().hex

@@ -80,8 +80,8 @@ def attacker() -> Iterator[Attacker]:
 
 def hostile_submit(client, spec: dict[str, Any], run_id: str | None = None) -> RunHandle:
     """What a producer with Redis access can do without any check: write the run, enqueue it."""
+    from orchestrator.prompt import initial_messages
     from worker.app import enqueue_turn
-    from worker.steps import initial_messages
 
     parsed = RunSpec.model_validate(spec)
     run_id = run_id or uuid.uuid4().hex
@@ -342,8 +342,8 @@ def forged_message(run_id: str, target: str, tool: str = "write_file") -> dict[s
 
 def forge_instead_of(d, handle: RunHandle, target: Path, tool: str = "write_file") -> None:
     """Once the run's call waits in its queue, drop its real message and send a forged one."""
+    from orchestrator.broker import purge
     from tests.helpers import wait_for
-    from worker.broker import purge
 
     wait_for(lambda: d.store.state(handle.run_id).get("phase") == "tools", timeout=30)
     stored_tool = json.loads(d.store.redis.hget(d.store.keys.call_args(handle.run_id), "1.0"))["tool"]

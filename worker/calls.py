@@ -5,10 +5,10 @@
   model made it (tool, call id, arguments: sealed if they hold a secret) and routing
   hints (``allowed``, ``http``, ``approval``, ``timeout_s``) that only pick a queue, a
   time-limit backstop and the approval gate; ``agent`` marks a call of a child agent.
-- **message**: the Celery task's argument. It only names the call (run, iteration,
-  index, key) and, for routing and monitors, the tool; the tool task reads nothing
-  else from it. Whoever can write to the broker can name a call that exists, and
-  nothing more: a stale or duplicated message is fenced by its generation.
+- **message**: the Celery task's argument (``orchestrator.calls.message``). It only
+  names the call (run, iteration, index, key) and, for routing and monitors, the tool;
+  the tool task reads nothing else from it. Whoever can write to the broker can name
+  a call that exists, and nothing more: a stale or duplicated message is fenced by its generation.
 - **view**: what the tool task runs with, derived from the run's stored spec and the
   stored call, which ``START_CALL`` returns in the same round trip that claims the call.
   Whether the tool is allowed, its sandbox folder and policy, bindings, time limit,
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.calls import message
 from orchestrator.children import agent_of
 from orchestrator.http_tools import declared
 from orchestrator.keys import call_key
 from orchestrator.models import RunSpec
 from worker import protect
 from worker.approval import gated
-
-MESSAGE_FIELDS = ("run_id", "iteration", "index", "key", "call_id", "tool")
 
 
 def stored_call(spec: RunSpec, run_id: str, iteration: int, index: int, call_id: str, name: str,
@@ -53,11 +52,6 @@ def stored_call(spec: RunSpec, run_id: str, iteration: int, index: int, call_id:
     if agent := agent_of(name, spec):
         out["agent"] = agent  # starts a child run (worker/children.py)
     return out
-
-
-def message(stored: dict[str, Any]) -> dict[str, Any]:
-    """What the tool task's message carries: which call, and its tool's name."""
-    return {name: stored[name] for name in MESSAGE_FIELDS if name in stored}
 
 
 def view(spec: RunSpec, stored: dict[str, Any]) -> dict[str, Any]:

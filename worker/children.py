@@ -141,7 +141,7 @@ class ChildCall:
         except children.ChildRefused as exc:
             self._fail(spec, payload, str(exc))
             return
-        from worker.steps import initial_messages
+        from orchestrator.prompt import initial_messages
 
         given = protect.given_prompt(child_spec.prompt, spec.tenant)  # a secret in it: masked, kept sealed
         child_spec = child_spec.model_copy(update={"prompt": given["content"]})

@@ -12,7 +12,7 @@ here, each sweep interval, by one worker at a time (a lock in Redis):
 - then waiting runs are admitted into whatever is free.
 
 A run written gated but never queued (its submitter died in between) is found by the
-lease sweeper: RECOVER answers 'gated', and ``queue_gated`` queues it now.
+lease sweeper: RECOVER answers 'gated', and ``orchestrator.fairshare.queue_gated`` queues it now.
 """
 
 from __future__ import annotations
@@ -79,16 +79,3 @@ def _how(slot: str, state: dict[str, str]) -> str:
     if slot == "p" and not parked(state):
         return "resume"
     return ""
-
-
-def queue_gated(store: RunStore, run_id: str, celery_app: Any = None) -> None:
-    """A run written gated whose place in its tenant's queue was never confirmed: queue it
-    (ENQUEUE keeps a place it already has, so this admits nothing twice)."""
-    fair = fairshare.of(store)
-    tenant = _s(store.redis.hget(store.keys.run(run_id), "tenant") or "default")
-    if fair is None or not fair.policy.gating:  # fair share was turned off: let it go
-        fair = fairshare.FairShare(store, fairshare.Policy({}, {}, None))
-        fair.open([run_id], celery_app)
-        return
-    log.warning("run %s: not in its tenant's queue yet; queued by the sweeper", run_id)
-    fair.submitted(run_id, tenant, celery_app)

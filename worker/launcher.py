@@ -17,11 +17,13 @@ can take over.
 
 from __future__ import annotations
 
+import argparse
 import importlib.machinery
 import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,3 +249,30 @@ def serve_metrics(keeper: PoolKeeper, port: int) -> None:
         return (False, f"not registered yet: {', '.join(missing)}") if missing else (True, "ok")
 
     metrics.serve(port, settings, healthy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tooloop worker`` (the CLI hands its process over: ``python -m worker.launcher``).
+    A plan refused (an unknown queue, an unusable ``mcpServers`` file) exits 2."""
+    from orchestrator.settings import get_settings
+
+    parser = argparse.ArgumentParser(prog="tooloop worker")
+    parser.add_argument("--tools")
+    parser.add_argument("-Q", "--queues", default="turns,tools")
+    parser.add_argument("-c", "--concurrency", type=int)
+    parser.add_argument("-n", "--name")
+    parser.add_argument("-l", "--loglevel", default="info")
+    parser.add_argument("--metrics-port", type=int)
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    try:
+        plans = plan(Keys(settings.key_prefix), args.queues.split(","), args.concurrency)
+        check_sources(settings.mcp_servers, plans)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return run(plans, args.name or socket.gethostname(), args.loglevel, args.tools, args.metrics_port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Traces, metrics and run-tagged logs of the turn and tool tasks, from the outside.
 
 Nothing here is a branch of the turn or tool task: Celery signals open and close a
-scope around each tooloop task (``task_prerun`` / ``task_postrun``), stamp trace
-context on each message sent (``before_task_publish``), and two middleware classes
+scope around each tooloop task (``task_prerun`` / ``task_postrun``; each message sent
+carries its run's trace context: ``orchestrator/dispatch.py``), and two middleware classes
 see the inside of a turn -- ``TurnTelemetry`` first in the chain (the turn was
 claimed), ``ModelTelemetry`` last (the model call starts after every other
 ``before_model`` hook, and its reply was recorded when the first ``after_turn`` runs).
@@ -23,13 +23,15 @@ from typing import Any
 from celery import signals
 
 from orchestrator import logs, metrics, telemetry
+from orchestrator.dispatch import TOOL_TASK, TURN_TASK, run_of
 from orchestrator.keys import call_key
 from orchestrator.models import Status
+from orchestrator.observation import observe_end, observing
 from orchestrator.settings import get_settings
 from orchestrator.store import Finish
 from worker import deferred
-from worker.app import TOOL_TASK, TURN_TASK, get_store
 from worker.middleware import Middleware, TurnContext
+from worker.runtime import get_store
 from worker.steps import RunTools
 
 log = logging.getLogger(__name__)
@@ -63,40 +65,15 @@ _scope: ContextVar[Scope | None] = ContextVar("tooloop_scope", default=None)
 _log_token: ContextVar[Any] = ContextVar("tooloop_log_token", default=None)
 
 
-# -- messages -------------------------------------------------------------------------------
-@signals.before_task_publish.connect
-def _stamp(sender: str | None = None, headers: dict[str, Any] | None = None, body: Any = None,
-           routing_key: str | None = None, **_: Any) -> None:  # fmt: skip
-    """Every message of a run carries the run's trace: a tool call's its turn's span."""
-    if headers is None or not telemetry.enabled():
-        return
-    run_id = _run_of(body[0] if isinstance(body, (list, tuple)) and body else ())
-    if run_id is None or not routing_key:
-        return
-    # queues are <prefix>.turns / <prefix>.tools / <prefix>.tools.<tool name>
-    prefix = routing_key.split(".tools.", 1)[0] if ".tools." in routing_key else routing_key.rsplit(".", 1)[0]
-    try:
-        telemetry.inject(headers, prefix, run_id, child_of_current=sender == TOOL_TASK)
-    except Exception:
-        log.warning("trace context not stamped on %s", sender, exc_info=True)
-
-
-def _run_of(args: Any) -> str | None:
-    first = args[0] if isinstance(args, (list, tuple)) and args else None
-    if isinstance(first, dict):
-        first = first.get("run_id")
-    return first if isinstance(first, str) else None
-
-
 # -- tasks ------------------------------------------------------------------------------------
 @signals.task_prerun.connect
 def _enter(task: Any = None, args: Any = None, **_: Any) -> None:
-    run_id = _run_of(args)
+    run_id = run_of(args)
     if task is None or run_id is None or not task.name.startswith("tooloop."):
         return
     scope = _scope_for(task, run_id, args)
     _log_token.set(logs.bind(scope.prefix, run_id, scope.iteration, scope.tool))
-    if not telemetry.observing():
+    if not observing():
         return
     _scope.set(scope)
     try:
@@ -180,7 +157,7 @@ def _finish(scope: Scope) -> None:
         if scope.kind != "tool":
             scope.span.set_attributes(_ending(state))
         scope.span.end()
-    telemetry.observe_end(store, scope.run_id, state)
+    observe_end(store, scope.run_id, state)
 
 
 def _finish_tool(scope: Scope, raw: bytes | None) -> None:

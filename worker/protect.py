@@ -31,6 +31,7 @@ from orchestrator.bounds import (
     cut_text,
     json_size,
 )
+from orchestrator.calls import model_call_id
 from orchestrator.models import Exit, RunSpec, ToolCallRecord
 from orchestrator.scrub import scrub_text, scrub_value
 from orchestrator.secrets import SecretError, is_sealed, seal, unseal
@@ -62,12 +63,6 @@ def tool_result(payload: dict[str, Any], ok: bool, output: Any, error: str | Non
         error=error, iteration=payload["iteration"],
     )  # fmt: skip
     return record, json.dumps(message)
-
-
-def model_call_id(payload: dict[str, Any]) -> str:
-    """The id the model gave the call (its tool message answers that one); the record and
-    approvals use ``call_id``, the call's own in the run (they differ when the model repeated an id)."""
-    return payload.get("model_call_id") or payload["call_id"]
 
 
 def model_text(output: Any) -> str:

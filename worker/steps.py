@@ -1,4 +1,4 @@
-"""Pure decisions of the loop: the first messages, and what a model reply means.
+"""Pure decisions of the loop: what a model reply means (the first messages: orchestrator/prompt.py).
 
 ``decide(reply)`` returns ``Finish`` (the run ends) or ``RunTools`` (dispatch
 these calls); the turn task then acts on it. Nothing here touches Redis.
@@ -16,12 +16,6 @@ from orchestrator.http_tools import declared
 from orchestrator.models import Exit, RunSpec
 from orchestrator.store import Finish
 from worker import textcalls
-
-BASE_INSTRUCTION = (
-    "You are an agent working in a loop: call the tools you are given when they help, "
-    "read their results, and answer when the task is done. A tool result that starts "
-    "with 'Error:' means the call failed; you may fix the arguments and try again."
-)
 
 _FENCE = re.compile(r"^\s*```[\w-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 
@@ -44,34 +38,6 @@ class Correct:
     """The reply looked like a tool call written as text that did not parse: say so."""
 
     text: str  # the corrective user message
-
-
-def outcome_instruction(enum: list[str]) -> str:
-    values = ", ".join(json.dumps(v) for v in enum)
-    return (
-        "When you are done, your final answer must be exactly one JSON object and "
-        'nothing else: {"outcome": <one of ' + values + '>, "result": <your result>}. '
-        "No code fences, no text before or after it."
-    )
-
-
-def system_prompt(spec: RunSpec, steering_docs: list[str] = (), skills: list[str] = ()) -> str:
-    parts = [spec.steering] if spec.steering else []
-    parts.append(BASE_INSTRUCTION)
-    parts += [f"Always follow these instructions:\n{doc}" for doc in steering_docs]
-    parts += [f"Skill (apply when relevant):\n{doc}" for doc in skills]
-    if spec.outcome:
-        parts.append(outcome_instruction(spec.outcome.enum))
-    return "\n\n".join(parts)
-
-
-def initial_messages(
-    spec: RunSpec, steering_docs: list[str] = (), skills: list[str] = ()
-) -> list[dict[str, Any]]:
-    return [
-        {"role": "system", "content": system_prompt(spec, steering_docs, skills)},
-        {"role": "user", "content": spec.prompt},
-    ]
 
 
 def strip_fences(text: str) -> str:

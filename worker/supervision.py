@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from orchestrator import control
 from orchestrator import supervisor as sv
 from orchestrator.models import JudgeSpec, Status
 from orchestrator.store import Finish, RunStore
@@ -79,9 +80,9 @@ def act(store: RunStore, run_id: str, action: str, text: str, reason: str) -> st
     if action == "steer":
         return store.steer(run_id, text, by=BY, source="supervisor")
     if action == "pause":
-        return store.pause(run_id, by=BY)
+        return control.pause(store, run_id, by=BY)
     if action == "abort":
-        return store.abort(run_id, by=BY, reason=reason)
+        return control.abort(store, run_id, by=BY, reason=reason)
     return "ignored"
 
 

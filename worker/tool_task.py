@@ -13,7 +13,7 @@ from celery import signals
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
-from orchestrator.models import SandboxPolicy, ToolCallRecord
+from orchestrator.models import SandboxPolicy
 from orchestrator.secrets import SecretError
 from orchestrator.settings import get_settings
 from orchestrator.store import CallStart, Held, RunStore, new_owner
@@ -263,26 +263,3 @@ def _brief(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
     )
-
-
-def unroutable(store: RunStore, payload: dict[str, Any], gen: int, celery_app: Any = None) -> None:
-    """The sweeper's verdict on a queued call of a tool no live worker has published for
-    ``unroutable_s``: recorded failed for nobody, if its message is still the current one."""
-    error = (f"UnknownTool: no live worker has had tool {payload['tool']!r} for "
-             f"{store.settings.unroutable_s:g}s")  # fmt: skip
-    record = ToolCallRecord(call_id=payload["call_id"], tool_name=payload["tool"],
-                            inputs=_parse(payload.get("arguments")), success=False, error=error,
-                            iteration=payload["iteration"])  # fmt: skip
-    message = {"role": "tool", "tool_call_id": protect.model_call_id(payload), "content": f"Error: {error}"}
-    verdict, next_gen = store.record_call(payload["run_id"], payload["iteration"], payload["index"],
-                                          "", record, json.dumps(message), gen=gen)  # fmt: skip
-    log.warning("call %s/%s: %s (%s)", payload["run_id"], payload["key"], error, verdict)
-    if verdict == "next":
-        enqueue_turn(payload["run_id"], payload["iteration"] + 1, next_gen, celery_app)
-
-
-def _parse(arguments: Any) -> Any:
-    try:
-        return json.loads(arguments or "{}")
-    except (TypeError, json.JSONDecodeError):
-        return arguments

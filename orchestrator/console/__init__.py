@@ -27,7 +27,7 @@ from orchestrator.console.web import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.api import ApiState
+    from orchestrator.api_state import ApiState
 
 __all__ = ["install"]
 

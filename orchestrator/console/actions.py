@@ -14,10 +14,11 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from orchestrator import telemetry
+from orchestrator import control
 from orchestrator.bounds import REASON_MAX_CHARS, STEER_MAX_CHARS
 from orchestrator.console.auth import SESSION_COOKIE, csrf_ok
 from orchestrator.console.web import Console, ConsoleState, Viewer, finish, owned, wants_json
+from orchestrator.observation import observe_end
 
 router = APIRouter(include_in_schema=False)
 Csrf = Annotated[str, Form()]
@@ -87,7 +88,8 @@ def _by(viewer: Viewer) -> str:
 def pause(request: Request, console: Console, viewer: Viewer, run_id: str, csrf: Csrf = "") -> Response:
     if refused := _check(request, console, viewer, run_id, csrf):
         return refused
-    return _answer(request, console, run_id, "pause", console.api.client.store.pause(run_id, _by(viewer)))
+    verdict = control.pause(console.api.client.store, run_id, _by(viewer))
+    return _answer(request, console, run_id, "pause", verdict)
 
 
 @router.post("/runs/{run_id}/resume")
@@ -111,8 +113,8 @@ def abort(
     if len(reason) > REASON_MAX_CHARS:
         return _too_long(request, run_id, "reason", len(reason), REASON_MAX_CHARS)
     store = console.api.client.store
-    verdict = store.abort(run_id, _by(viewer), reason.strip() or "aborted from the console")
-    telemetry.observe_end(store, run_id)  # as the API does: no task of the run may run again to see it
+    verdict = control.abort(store, run_id, _by(viewer), reason.strip() or "aborted from the console")
+    observe_end(store, run_id)  # as the API does: no task of the run may run again to see it
     return _answer(request, console, run_id, "abort", verdict)
 
 
@@ -179,13 +181,13 @@ def fork(
     if refused := _check(request, console, viewer, run_id, csrf):
         return refused
     try:
-        handle = fork_run(console.api.client, run_id, at, tenant=viewer.tenant, by=_by(viewer))
+        fork_id = fork_run(console.api.client, run_id, at, tenant=viewer.tenant, by=_by(viewer))
     except ForkError as exc:
         code = 404 if exc.kind == "not_found" else 400
         return _reply(request, run_id, {"ok": False, "message": str(exc)}, code)
-    location = f"/runs/{handle.run_id}"
-    body = {"ok": True, "action": "fork", "result": "ok", "run_id": handle.run_id, "location": location,
-            "message": f"Forked at turn {at}: run {handle.run_id}."}  # fmt: skip
+    location = f"/runs/{fork_id}"
+    body = {"ok": True, "action": "fork", "result": "ok", "run_id": fork_id, "location": location,
+            "message": f"Forked at turn {at}: run {fork_id}."}  # fmt: skip
     if wants_json(request):
         return finish(request, JSONResponse(body))
     return finish(request, RedirectResponse(location, status_code=303))

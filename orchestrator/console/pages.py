@@ -15,7 +15,8 @@ from fastapi import APIRouter, Form, Header, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from orchestrator.console import listing, timeline
+import orchestrator.console.listing as listing
+import orchestrator.console.timeline as timeline
 from orchestrator.console.auth import (
     LOGIN_COOKIE,
     LOGIN_MAX_AGE_S,

@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.bounds import RECORD_INPUTS_MAX_BYTES, cut_text
-from orchestrator.console import feed
+from orchestrator.console.feed import read as read_feed
 from orchestrator.keys import parse_call_key
 from orchestrator.scrub import scrub_text
 
@@ -136,7 +136,7 @@ def load(store: RunStore, run_id: str, since: int = 0) -> RunView | None:
     messages = [json.loads(m) for m in raw_messages]
     calls = {_s(k): json.loads(v) for k, v in raw_calls.items() if parse_call_key(_s(k))[0] >= since}
     approvals = {_s(k): json.loads(v) for k, v in raw_approvals.items() if not _s(k).startswith("id:")}
-    return build(run_id, state, messages, calls, approvals, feed.read(store, run_id), since)
+    return build(run_id, state, messages, calls, approvals, read_feed(store, run_id), since)
 
 
 def _s(value: Any) -> str:

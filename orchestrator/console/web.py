@@ -24,7 +24,7 @@ from fastapi.templating import Jinja2Templates
 from orchestrator.console.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Session, Sessions, set_cookie
 
 if TYPE_CHECKING:
-    from orchestrator.api import ApiState
+    from orchestrator.api_state import ApiState
 
 PACKAGE = files("orchestrator.console")
 TEMPLATES = Path(str(PACKAGE / "templates"))

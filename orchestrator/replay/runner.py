@@ -6,9 +6,13 @@ skills read again, so a changed one shows) and its turns and tool calls run thro
 worker's own code, ``worker.turn.start_turn`` and ``worker.tool_task.ToolCall``: the claim,
 the hooks, the model call through litellm, the decision, the records and the barrier.
 Only Celery's transport is stood in for: the messages the loop sends
-(``worker.app.enqueue_turn``/``enqueue_call``) are kept in order, and each is handed to
+(``orchestrator.dispatch.enqueue_turn``/``enqueue_call``) are kept in order, and each is handed to
 the task code it names, as a worker would (``Dispatcher``). The model is
 ``orchestrator/replay/server.py``; the tools are this process's registry.
+
+So, unlike the rest of ``orchestrator/`` (which sends by task name and never imports
+``worker/``), the replay imports the worker's turn and tool code by design: it runs the
+loop in this process. Nothing a producer or the CLI's control commands load imports it.
 
 ``tools="recorded"``: a call's result is the recorded one, once the tool is found and its
 schema accepts the recorded arguments; ``"live"``: the tool runs, in a sandbox folder of
@@ -36,7 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import journal
+from orchestrator import control, dispatch, journal
 from orchestrator.models import ForkedFrom, RunResult, RunSpec, Status
 from orchestrator.replay.cassette import Cassette, CassetteError, load, replay_params
 from orchestrator.replay.report import Divergence, ReplayReport
@@ -74,7 +78,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 class Dispatcher:
-    """What ``worker.app.enqueue_turn``/``enqueue_call`` ask of a Celery app, keeping each
+    """What ``orchestrator.dispatch.enqueue_turn``/``enqueue_call`` ask of a Celery app, keeping each
     message in order for the replay to hand to its task (Celery's transport, stood in for)."""
 
     def __init__(self, settings: Settings) -> None:
@@ -97,15 +101,14 @@ class _EveryQueue:
 
 @contextmanager
 def sending_to(dispatcher: Dispatcher) -> Iterator[None]:
-    """The loop's messages go to ``dispatcher`` while the block runs."""
-    import worker.app as app_module
-
-    saved = app_module.app
-    app_module.app = dispatcher  # type: ignore[assignment]
+    """The loop's messages go to ``dispatcher`` while the block runs: it stands in for the
+    process's Celery app (``orchestrator.dispatch.default_app``, what a send defaults to)."""
+    saved = dispatch.default_app
+    dispatch.default_app = lambda: dispatcher  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
-        app_module.app = saved
+        dispatch.default_app = saved  # type: ignore[method-assign]
 
 
 class Session:
@@ -193,8 +196,7 @@ class Session:
         """The run, as submit writes it; a fork's cassette from its recorded start."""
         from orchestrator.agents import agents_root, load_docs
         from orchestrator.fork import Plan, write
-        from worker.app import enqueue_turn
-        from worker.steps import initial_messages
+        from orchestrator.prompt import initial_messages
 
         start = self.cassette.header.get("start")
         if start:
@@ -207,14 +209,14 @@ class Session:
                         calls={key: json.dumps(r) for key, r in before.items()},
                         call_ids={r["call_id"]: key for key, r in before.items()}, by="replay")  # fmt: skip
             write(self.store, self.run_id, plan)
-            enqueue_turn(self.run_id, plan.at, 1)
+            dispatch.enqueue_turn(self.run_id, plan.at, 1)
             return
         docs = load_docs(self.spec.steering_files, self.spec.skills, agents_root(self.settings.agents_dir))
         if docs.errors:
             raise ReplayError("; ".join(docs.errors))
         messages = initial_messages(self.spec, docs.steering, docs.skills)
         gen = self.store.create(self.run_id, self.spec, messages)
-        enqueue_turn(self.run_id, 1, gen)
+        dispatch.enqueue_turn(self.run_id, 1, gen)
 
     def _turn(self, iteration: int, gen: int) -> None:
         from worker.turn import run_turn
@@ -224,7 +226,7 @@ class Session:
         past = iteration > int(recorded.get("iterations") or 0)
         if not line and recorded.get("exit") == "aborted" and past:
             # the recording was aborted (by a person, or a pause past pause_max_s) before this turn
-            self.store.abort(self.run_id, by="replay", reason="aborted where the recorded run was")
+            control.abort(self.store, self.run_id, by="replay", reason="aborted where the recorded run was")
             return
         if iteration not in self.steered:  # the operator's steers this turn drained, sent again
             self.steered.add(iteration)
@@ -281,15 +283,13 @@ class Session:
     def _recover(self) -> bool:
         """What the sweeper would send again: a step that failed an attempt (a turn or a call
         that raised in the worker's own code) is due at once."""
-        from worker.app import send
-
         found = self.store.recover(self.run_id)
-        for dispatch in found.sends:
-            send(dispatch)
-        for dispatch in found.checks:  # never taken, and our queue is empty: gone, sent again
-            again = self.store.resend(dispatch)
+        for step in found.sends:
+            dispatch.send(step)
+        for step in found.checks:  # never taken, and our queue is empty: gone, sent again
+            again = self.store.resend(step)
             if again is not None:
-                send(again)
+                dispatch.send(again)
         return bool(self.dispatcher.sent)
 
     # -- divergences -------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class Session:
             self.divergences.append(divergence)
         self.stopped = True
         self.dispatcher.sent.clear()
-        self.store.abort(self.run_id, by="replay", reason="the replay diverged from its cassette")
+        control.abort(self.store, self.run_id, by="replay", reason="the replay diverged from its cassette")
 
     def _compare_exit(self) -> None:
         result = self.store.result(self.run_id)

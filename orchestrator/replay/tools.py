@@ -14,11 +14,12 @@ tool gone, or a schema that refuses the recorded arguments, is a divergence), th
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from orchestrator.journal import normalise
+from orchestrator.replay.cassette import Cassette
 from orchestrator.replay.report import Divergence
 from orchestrator.store import CallStart
 from worker import protect
@@ -26,15 +27,22 @@ from worker.registry import REGISTRY
 from worker.sandbox import CallOutcome
 from worker.tool_task import ToolCall, _brief
 
-if TYPE_CHECKING:
-    from orchestrator.replay.runner import Session
-
 NEVER_FOUND = "UnknownTool"
 REFUSED = ("ValidationError", "InvalidArguments")
 
 
+class Replaying(Protocol):
+    """What a replayed call needs of its replay (``orchestrator.replay.runner.Session``)."""
+
+    cassette: Cassette
+    live: bool
+    recorded_tools: set[str]
+
+    def note(self, divergence: Divergence) -> None: ...
+
+
 class ReplayToolCall(ToolCall):
-    def __init__(self, store: Any, message: dict[str, Any], gen: int, session: Session) -> None:
+    def __init__(self, store: Any, message: dict[str, Any], gen: int, session: Replaying) -> None:
         super().__init__(store, message, gen)
         self.session = session
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.sandbox import reuse
 from worker.sandbox.child import _child, _facts
 from worker.sandbox.constants import EXIT_GRACE_S, FAILED_START, MAX_RESULT_BYTES, STARTED_MARK, TICK_S
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError
@@ -28,6 +27,7 @@ from worker.sandbox.reaper import (
     _reap_sandbox_zombies,
     _sweep,
 )
+from worker.sandbox.reuse import keep
 from worker.sandbox.spare import _pending, _run_pending, _Spare, _take_spare
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class _Call:
                 if pidfd is not None:
                     os.close(pidfd)
                 assert self.spare is not None and self.ctx.run_id is not None
-                reuse.keep(self.ctx.run_id, self.plan, self.spare)
+                keep(self.ctx.run_id, self.plan, self.spare)
             elif self.ctx.defer_cleanup and stopped is None and reader.complete and not self.exited:
                 # The hot path: the result is in; its process ends off the critical path.
                 _pending.append(lambda: self._cleanup(read_fd, pidfd, reader, before, None))

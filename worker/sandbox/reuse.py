@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.sandbox.plan import _Plan
-    from worker.sandbox.spare import _Spare
+    from worker.sandbox.spare_process import _Spare
     from worker.sandbox.zygote import Zygote
 
 KEEP_IDLE_S = 10.0  # a kept process unused for this long ends

@@ -22,67 +22,22 @@ and makes the next spare; ``_take_spare`` hands it the next call. The spare's ow
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import pickle
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from worker.sandbox import reuse, zygote
+import worker.sandbox.reuse as reuse
+import worker.sandbox.zygote as zygote
 from worker.sandbox.child import _limits
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.plan import _Plan
 from worker.sandbox.spare_child import fork_spare
+from worker.sandbox.spare_process import _Spare
 from worker.sandbox.zygote import Zygote
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Spare:
-    pid: int
-    request_fd: int  # the worker writes the call here (pickle: worker -> its own fork)
-    result_fd: int  # the call's framed JSON result comes back here
-    kept: tuple[int, ...] = ()  # Landlock network rulesets it inherited (built once per process)
-    server: Zygote | None = None  # forked by this process's fork server, not by this process
-    reusable: bool = False  # its request pipe stays open: it may serve the run's next call (reuse.py)
-
-    def wait(self) -> int:
-        """Its exit status (it must be ending): reaped here, or by the fork server."""
-        if self.server is not None:
-            return self.server.wait(self.pid)
-        return os.waitpid(self.pid, 0)[1]
-
-    def ended(self) -> bool:
-        """Exited (a zombie, or reaped)? For a spare of the fork server, which reaps it."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except (OSError, IndexError):
-            return True
-
-    def send(self, request: tuple[Any, ...]) -> None:
-        data = pickle.dumps(request)
-        view = memoryview(len(data).to_bytes(8, "big") + data)
-        try:
-            while view:
-                view = view[os.write(self.request_fd, view) :]
-        finally:
-            if not self.reusable:
-                os.close(self.request_fd)
-
-    def discard(self) -> None:
-        for fd in (self.request_fd, self.result_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            self.wait()
 
 
 BUSY_GAP_S = 0.005  # a call arriving sooner than this after the last settle(): busy
