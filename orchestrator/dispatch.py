@@ -128,6 +128,13 @@ def call_queue(keys: Keys, payload: dict[str, Any]) -> str:
     return keys.tool_queue_of(payload["tool"]) if own else keys.tool_queue
 
 
+def message_of(keys: Keys, dispatch: Dispatch) -> tuple[str, str]:
+    """(queue, task id) of a step's message."""
+    if dispatch.payload is None:
+        return keys.turn_queue, turn_task_id(dispatch.run_id, dispatch.iteration, dispatch.gen)
+    return call_queue(keys, dispatch.payload), call_task_id(dispatch.payload, dispatch.gen)
+
+
 def enqueue_turn(run_id: str, iteration: int, gen: int, celery_app: Celery | None = None,
                  countdown: float | None = None) -> None:  # fmt: skip
     celery_app = celery_app or default_app()

@@ -176,6 +176,16 @@ class Policy:
 
 
 @dataclass
+class Standing:
+    """The tenants as one process last read them (FairShare.standing)."""
+
+    active: dict[str, int]  # tenant -> runs holding a slot
+    waiting: set[str]  # tenants with runs waiting
+    minute: dict[str, int]  # tenant -> model tokens recorded over the last minute
+    reply: dict[str, float]  # tenant -> tokens of one of its replies (its average)
+
+
+@dataclass
 class TenantShare:
     """One tenant as `tooloop doctor`, the metrics and the console show it."""
 
@@ -197,8 +207,9 @@ class FairShare:
         self._enqueue = store.redis.register_script(ENQUEUE)
         self._pump = store.redis.register_script(PUMP)
         self._waiting_tenants: set[str] = set()  # as the last pump saw them
-        self._tokens: tuple[float, dict[str, int], dict[str, float]] = (-TOKENS_CACHE_S, {}, {})
+        self._standing: tuple[float, Standing] = (-TOKENS_CACHE_S, Standing({}, set(), {}, {}))
         self._celery: Any = None
+        self._broker: Any = _UNSET
 
     @property
     def mode(self) -> str:
@@ -212,7 +223,7 @@ class FairShare:
         if state == "w":  # 'open': admitted meanwhile, and sent
             return self.store.mark_waiting(run_id) == "open"
         if state == "a":
-            self.open([run_id], celery_app)
+            self.open([run_id], celery_app, tenant)
         return state == "a"
 
     def enqueue(self, run_id: str, tenant: str) -> str:
@@ -244,9 +255,10 @@ class FairShare:
     def pump(self) -> list[str]:
         return self.move("", "")
 
-    def open(self, run_ids: list[str], celery_app: Any = None) -> int:
-        """Open the gates of admitted runs and send their turns; a run that ended while it
-        waited gives its slot back at once (to the next). Turns sent."""
+    def open(self, run_ids: list[str], celery_app: Any = None, tenant: str | None = None) -> int:
+        """Open the gates of admitted runs and send their turns (of ``tenant``'s runs: ahead
+        of the others' if it is below its share); a run that ended while it waited gives its
+        slot back at once (to the next). Turns sent."""
         sent = 0
         while run_ids:
             gone: list[str] = []
@@ -257,18 +269,21 @@ class FairShare:
                     if result in ("ended", "missing"):
                         gone.append(run_id)
                 else:
-                    self._send(result, celery_app)
+                    self._send(result, celery_app, tenant)
                     sent += 1
-            run_ids = [r for g in gone for r in self.move(g, "end")]
+            run_ids, tenant = [r for g in gone for r in self.move(g, "end")], None
         return sent
 
-    def _send(self, dispatch: Dispatch, celery_app: Any) -> None:
+    def _send(self, dispatch: Dispatch, celery_app: Any, tenant: str | None) -> None:
         from orchestrator.dispatch import send
 
         try:
             send(dispatch, celery_app or self.celery)
         except Exception:  # the step's message is missing: the sweeper sends it (RESEND)
             log.warning("run %s: its turn was not sent; the sweeper will", dispatch.run_id, exc_info=True)
+            return
+        if tenant is not None:
+            ahead(self.store, tenant, dispatch)
 
     @property
     def celery(self) -> Any:
@@ -292,31 +307,92 @@ class FairShare:
         keys = [k.fair_runs(), k.fair_active(), k.fair_tenants(), *(k.fair_waiting(t) for t in tenants)]
         return self._pump(keys=keys, args=args)
 
+    # -- a step ahead of the others ---------------------------------------------------
+    def below_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` is below its weighted share while another tenant holds a slot
+        or waits: its tokens over the window plus a reply's worth per run holding a slot
+        (PUMP's measure), over its weight, under the same sum of all those tenants over the
+        sum of their weights. Read at most every TOKENS_CACHE_S (``standing``)."""
+        now = self.standing()
+        tenants = {t for t, n in now.active.items() if n > 0} | now.waiting | {tenant}
+        if len(tenants) < 2:
+            return False
+        usual = max(1.0, sum(now.reply.values()) / len(now.reply)) if now.reply else 1.0
+
+        def spent(t: str) -> float:
+            return now.minute.get(t, 0) + now.active.get(t, 0) * now.reply.get(t, usual)
+
+        everyone = sum(spent(t) for t in tenants) / sum(self.policy.weight(t) for t in tenants)
+        return spent(tenant) / self.policy.weight(tenant) < everyone
+
+    def ahead(self, tenant: str, dispatch: Dispatch) -> bool:
+        """A step of ``tenant`` just sent: moved to the end of its queue that workers take next
+        when its tenant is below its share (``below_share``). Only on a Redis broker (JUMP):
+        RabbitMQ's quorum queues have no priorities (3.10); there the admission alone applies.
+        A round trip when it moves; none when not."""
+        from orchestrator.dispatch import message_of
+
+        broker = self.broker
+        if broker is None or not self.below_share(tenant):
+            return False
+        queue, task_id = message_of(self.keys, dispatch)
+        return self.store.jump(broker, self.keys.broker_prefix + queue, task_id)
+
+    @property
+    def broker(self) -> Any:
+        """The broker's Redis client (the store's when they are one), or None (RabbitMQ)."""
+        if self._broker is _UNSET:
+            import redis
+
+            url, settings = self.store.settings.broker, self.store.settings
+            self._broker = (self.store.redis if url == settings.redis_url
+                            else redis.Redis.from_url(url, socket_timeout=30)
+                            if url.startswith(("redis://", "rediss://", "unix://")) else None)  # fmt: skip
+        return self._broker
+
     # -- tokens -----------------------------------------------------------------------
+    def standing(self) -> Standing:
+        """The slots held, the tenants waiting and the tokens (``read_tokens``), in one round
+        trip, read at most every TOKENS_CACHE_S."""
+        if time.monotonic() - self._standing[0] < TOKENS_CACHE_S:
+            return self._standing[1]
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.fair_active())
+        pipe.smembers(self.keys.fair_tenants())
+        answers = self._ask_tokens(pipe).execute()
+        minute, total, replies = self._count_tokens(answers[2:])
+        now = Standing({_s(t): int(n) for t, n in answers[0].items()}, {_s(t) for t in answers[1]}, minute,
+                       {t: total[t] / n for t, n in replies.items() if n and t in total})  # fmt: skip
+        self._standing = (time.monotonic(), now)
+        return now
+
     def tokens_minute(self) -> tuple[dict[str, int], dict[str, float]]:
         """Tenant -> model tokens recorded over the last minute, and -> tokens of one of its
         replies (its average), summed over the shards (read at most every TOKENS_CACHE_S)."""
-        if time.monotonic() - self._tokens[0] < TOKENS_CACHE_S:
-            return self._tokens[1], self._tokens[2]
-        minute, total, replies = self.read_tokens()
-        reply = {t: total[t] / n for t, n in replies.items() if n and t in total}
-        self._tokens = (time.monotonic(), minute, reply)
-        return minute, reply
+        now = self.standing()
+        return now.minute, now.reply
 
     def read_tokens(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """(tokens over the last minute, tokens in all, replies in all) per tenant. The window
         is the last six 10 s buckets and the current one's part, weighted by how much of the
         oldest bucket still lies inside the minute."""
-        now = self.store.time_ms()
-        newest = now // BUCKET_MS
-        oldest_part = 1.0 - (now % BUCKET_MS) / BUCKET_MS  # of bucket newest-6
-        pipe = self.store.redis.pipeline(transaction=False)
+        return self._count_tokens(self._ask_tokens(self.store.redis.pipeline(transaction=False)).execute())
+
+    def _ask_tokens(self, pipe: Any) -> Any:
+        pipe.time()
         for shard in range(SHARDS):
             pipe.hgetall(self.keys.tenant_tokens(shard))
+        return pipe
+
+    def _count_tokens(self, answers: list[Any]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        seconds, micros = answers[0]
+        now = seconds * 1000 + micros // 1000
+        newest = now // BUCKET_MS
+        oldest_part = 1.0 - (now % BUCKET_MS) / BUCKET_MS  # of bucket newest-6
         minute: dict[str, float] = {}
         total: dict[str, int] = {}
         replies: dict[str, int] = {}
-        for fields in pipe.execute():
+        for fields in answers[1:]:
             for raw_field, raw_value in fields.items():
                 tenant, _, bucket = _s(raw_field).rpartition("|")
                 value = int(raw_value)
@@ -367,6 +443,20 @@ def moved(store: RunStore, run_id: str, how: str, celery_app: Any = None) -> Non
         fair.open(fair.move(run_id, how), celery_app)
     except Exception:
         log.warning("run %s: fair share not told it %sed; the sweep will", run_id, how, exc_info=True)
+
+
+def ahead(store: RunStore, tenant: str, dispatch: Dispatch) -> bool:
+    """A step of ``tenant`` just sent: taken next if its tenant is below its weighted share
+    (FairShare.ahead). Nothing, and no round trip, without a cap configured; never fails
+    its caller (the step is sent: it waits its turn in the queue)."""
+    fair = of(store)
+    if fair is None or not fair.policy.gating:
+        return False
+    try:
+        return fair.ahead(tenant, dispatch)
+    except Exception:
+        log.warning("run %s: its %s not put ahead", dispatch.run_id, dispatch.step, exc_info=True)
+        return False
 
 
 _UNSET = object()

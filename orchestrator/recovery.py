@@ -21,7 +21,7 @@ import redis
 import orchestrator.metrics as metrics
 from orchestrator.broker import queue_depths
 from orchestrator.calls import model_call_id
-from orchestrator.dispatch import call_queue, call_task_id, default_app, enqueue_turn, send, turn_task_id
+from orchestrator.dispatch import call_queue, default_app, enqueue_turn, message_of, send
 from orchestrator.fairshare import queue_gated
 from orchestrator.keys import SHARDS
 from orchestrator.models import Exit, ToolCallRecord
@@ -106,10 +106,8 @@ class Sweeper:
         worker has published for a while is recorded failed); the others are lost."""
         by_queue: dict[str, dict[str, Dispatch]] = defaultdict(dict)
         for _, d in checks:
-            if d.payload is None:
-                by_queue[self.store.keys.turn_queue][turn_task_id(d.run_id, d.iteration, d.gen)] = d
-            else:
-                by_queue[call_queue(self.store.keys, d.payload)][call_task_id(d.payload, d.gen)] = d
+            queue, task_id = message_of(self.store.keys, d)
+            by_queue[queue][task_id] = d
         waiting: set[str] = set()
         for queue, wanted in by_queue.items():
             present = self._queued(queue, list(wanted))
@@ -207,12 +205,8 @@ class Sweeper:
         broker = self._broker_client()
         if broker is None:
             return
-        keys = self.store.keys
-        if dispatch.payload is None:
-            queue, task_id = keys.turn_queue, turn_task_id(dispatch.run_id, dispatch.iteration, dispatch.gen)
-        else:
-            queue, task_id = call_queue(keys, dispatch.payload), call_task_id(dispatch.payload, dispatch.gen)
-        self.store.jump(broker, keys.broker_prefix + queue, task_id)
+        queue, task_id = message_of(self.store.keys, dispatch)
+        self.store.jump(broker, self.store.keys.broker_prefix + queue, task_id)
 
     def _unreadable(self, run_id: str, exc: Exception) -> None:
         """A run the sweeper cannot read (corrupt state): ended on error, logged."""

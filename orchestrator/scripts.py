@@ -914,16 +914,22 @@ return out
 # A step sent again goes to the consuming end of its queue: kombu's Redis transport pushes
 # at the list's head (LPUSH) and takes from its tail (BRPOP), so a message moved to the tail
 # is the next one taken. A lost step's run has waited a lease already; it does not wait again
-# behind the work queued meanwhile. KEYS: the list. ARGV: task id, entries to look at (the
-# message was just published: it is among the newest) -> 1 (moved) | 0 (not found: left)
+# behind the work queued meanwhile. A step of a tenant below its fair share goes there too
+# (orchestrator/fairshare.py: ahead). KEYS: the list. ARGV: task id, entries to look at (the
+# message was just published: it is among the newest, read 16 at a time: most often the
+# first slice has it) -> 1 (moved) | 0 (not found: left)
 JUMP = """
-local slice = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
-for _, m in ipairs(slice) do
-  if string.match(m, '"id": ?"([^"]+)"') == ARGV[1] then
-    redis.call('LREM', KEYS[1], 1, m)
-    redis.call('RPUSH', KEYS[1], m)
-    return 1
+local most = tonumber(ARGV[2])
+for first = 0, most - 1, 16 do
+  local slice = redis.call('LRANGE', KEYS[1], first, math.min(first + 16, most) - 1)
+  for _, m in ipairs(slice) do
+    if string.match(m, '"id": ?"([^"]+)"') == ARGV[1] then
+      redis.call('LREM', KEYS[1], 1, m)
+      redis.call('RPUSH', KEYS[1], m)
+      return 1
+    end
   end
+  if #slice < 16 then return 0 end
 end
 return 0
 """

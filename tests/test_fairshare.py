@@ -20,8 +20,8 @@ from orchestrator.doctor import diagnose
 from orchestrator.metrics import FleetCollector
 from orchestrator.models import Exit, RunSpec
 from orchestrator.settings import Settings
-from orchestrator.store import Finish
-from tests.helpers import gate, wait_for
+from orchestrator.store import JUMP_SCAN, Finish
+from tests.helpers import call, gate, tools, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,6 +100,45 @@ def test_a_cap_holds_under_concurrent_submits_and_waiting_runs_start_in_order(de
     most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
     assert most <= 2, f"{most} runs of a tenant capped at 2 ran at once"
     assert fair_state(d) == ({}, []) and not d.store.redis.hlen(d.store.keys.fair_runs())
+
+
+def test_a_tenant_below_its_share_has_its_steps_taken_before_the_queued_steps_of_others(deployment, spec):
+    """One worker taking one turn and one call at a time; tenant A's 6 runs are admitted and
+    queued before B's one. B is below its weighted share (one run in flight against A's 6,
+    nothing recorded yet): its first turn, its call and its next turn each go to the end of
+    their queue workers take next (the Redis broker), so B's run ends before any of A's.
+    First in, first out, B's first turn would run after A's six, its last after A's six
+    second turns."""
+    d = deployment(TOOLOOP_TENANT_MAX_ACTIVE="A=50")
+    steps = [tools(call("add", {"a": 1, "b": 2}), delay=0.2), {"content": "done", "delay": 0.2}]
+    a_runs = [d.client.submit(spec(steps, tools=["add"], tenant="A")).run_id for _ in range(6)]
+    b_run = d.client.submit(spec(steps, tools=["add"], tenant="B")).run_id
+    queue = d.store.redis.lrange(d.store.keys.broker_prefix + d.store.keys.turn_queue, 0, -1)
+    assert len(queue) == 7 and b_run in queue[-1].decode()  # the end taken next (BRPOP)
+    assert fair_state(d)[0] == {"A": 6, "B": 1}
+    fair = fairshare.of(d.store)
+    assert fair is not None and fair.below_share("B") and not fair.below_share("A")
+    d.start_worker("-c", "1")
+    for run_id in [b_run, *a_runs]:
+        assert d.client.get(run_id).wait(timeout=120).status == Status.completed
+    ends = {r: int(d.store.state(r)["ended_at"]) for r in [b_run, *a_runs]}
+    assert ends[b_run] < min(ends[r] for r in a_runs), ends
+
+
+def test_jump_finds_a_message_among_the_newest_and_moves_it_to_the_end_taken_next(deployment):
+    """JUMP reads the newest JUMP_SCAN entries 16 at a time: a message found among them goes
+    to the consuming end (BRPOP's); an older one stays where it is."""
+    d = deployment()
+    queue = f"{d.store.keys.broker_prefix}jump-test"
+    n = JUMP_SCAN + 30
+    d.store.redis.lpush(queue, *(json.dumps({"headers": {"id": f"t-{i}"}}) for i in range(n)))  # newest last
+    assert d.store.jump(d.store.redis, queue, f"t-{n - 21}")  # the 21st newest: in the second slice
+    assert json.loads(d.store.redis.lindex(queue, -1))["headers"]["id"] == f"t-{n - 21}"
+    assert not d.store.jump(d.store.redis, queue, "t-5")  # older than the newest JUMP_SCAN: left
+    assert not d.store.jump(d.store.redis, queue, "t-missing")
+    assert d.store.redis.llen(queue) == n
+    assert json.loads(d.store.redis.lindex(queue, -2))["headers"]["id"] == "t-0"  # the oldest, next after
+    d.store.redis.delete(queue)
 
 
 def test_a_paused_run_frees_its_slot_and_takes_it_back_on_resume(deployment, spec, holds):

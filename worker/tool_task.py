@@ -13,10 +13,11 @@ from celery import signals
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
+from orchestrator import fairshare
 from orchestrator.models import SandboxPolicy
 from orchestrator.secrets import SecretError
 from orchestrator.settings import get_settings
-from orchestrator.store import CallStart, Held, RunStore, new_owner
+from orchestrator.store import CallStart, Dispatch, Held, RunStore, new_owner
 from worker import calls, children, protect
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
 from worker.maintenance import INFLIGHT, with_retries
@@ -173,6 +174,8 @@ class ToolCall:
         )  # fmt: skip
         if verdict == "next":
             enqueue_turn(self.p["run_id"], self.p["iteration"] + 1, gen)
+            fairshare.ahead(self.store, self.p.get("tenant") or "default", Dispatch(self.p["run_id"], gen,
+                            self.p["iteration"] + 1))  # fmt: skip
         elif verdict == "stale":
             log.warning("call %s/%s was taken over; its result is dropped", self.p["run_id"],
                         self.p["key"])  # fmt: skip

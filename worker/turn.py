@@ -23,12 +23,12 @@ from typing import Any
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
-from orchestrator import journal
+from orchestrator import fairshare, journal
 from orchestrator.bounds import ERROR_MAX_CHARS, REPLY_MAX_CHARS
 from orchestrator.children import tool_schemas as agent_schemas
 from orchestrator.http_tools import declared
 from orchestrator.models import Exit, RunSpec
-from orchestrator.store import Finish, Held, RunStore, TurnClaim, new_owner
+from orchestrator.store import Dispatch, Finish, Held, RunStore, TurnClaim, new_owner
 from worker import aio, children, compaction, deferred, llm, protect
 from worker.app import TURN_TASK, app, enqueue_call, enqueue_turn, get_store
 from worker.calls import stored_call
@@ -308,6 +308,7 @@ class Turn:
             self.unbilled = None
             if verdict == "continue":
                 enqueue_turn(run_id, iteration + 1, gen)
+                fairshare.ahead(self.store, self.spec.tenant, Dispatch(run_id, gen, iteration + 1))
             return
         payloads = [self.payload(i, call) for i, call in enumerate(decision.calls)]
         message = self.stored(decision.message or reply.message)
@@ -323,6 +324,7 @@ class Turn:
                 children.start_now(self.store, payload)
             else:
                 enqueue_call(payload, 1)
+                fairshare.ahead(self.store, self.spec.tenant, Dispatch(run_id, 1, payload=payload))
 
     def defer(self, wait_s: float) -> None:
         """Wait for rate-limit capacity in the queue (a countdown), not in a worker slot."""
