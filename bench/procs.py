@@ -40,8 +40,14 @@ def read(pid: int) -> Proc | None:
     fields = raw[raw.rindex(")") + 2 :].split()  # fields[0] is field 3 (state)
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     rss_pages = int(fields[21])
-    return Proc(pid, int(fields[1]), name, (utime + stime) / TICK, (cutime + cstime) / TICK,
-                rss_pages * PAGE, cmd)  # fmt: skip
+    own = (utime + stime) / TICK
+    if int(fields[17]) == 1:  # one thread: its time in ns. /proc/<pid>/stat rounds each process
+        try:  # down to a tick (10 ms), and hundreds of waiting call processes would add up
+            with open(f"/proc/{pid}/schedstat") as f:
+                own = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    return Proc(pid, int(fields[1]), name, own, (cutime + cstime) / TICK, rss_pages * PAGE, cmd)
 
 
 def tree(root: int) -> list[Proc]:

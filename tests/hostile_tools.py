@@ -204,7 +204,7 @@ def identity() -> dict:
         "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
         "cwd": os.getcwd(), "pid": os.getpid(), "hostname": socket.gethostname(),
         "no_new_privs": status["NoNewPrivs"].strip(), "limits": limits,
-        "sid": os.getsid(0), "ppid": os.getppid(),
+        "sid": os.getsid(0), "ppid": os.getppid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
     }  # fmt: skip
 
 

@@ -93,9 +93,10 @@ class Watch:
         self.thread.join(5)
 
 
-def own_ports() -> set[str]:
+def own_ports(to: int | None = None) -> set[str]:
     """Local TCP ports of this process's sockets (the producer: its store, its broker
-    connections, the MONITOR), from /proc."""
+    connections, the MONITOR), from /proc; ``to``: only those connected to that port (a
+    local port may be another process's too, towards another server)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -107,7 +108,7 @@ def own_ports() -> set[str]:
         with contextlib.suppress(OSError), open(table) as f:
             for row in list(f)[1:]:
                 cols = row.split()
-                if cols[9] in inodes:
+                if cols[9] in inodes and (to is None or int(cols[2].rsplit(":", 1)[1], 16) == to):
                     ports.add(str(int(cols[1].rsplit(":", 1)[1], 16)))
     return ports
 
@@ -208,7 +209,7 @@ def test_a_submit_is_three_round_trips(private, spec) -> None:
     run = spec([tools(call("add", {"a": 1, "b": 2})), {"content": "done"}], tools=["add"])
     d.client.submit(run).wait(timeout=60)  # warm-up: scripts loaded, connections open
     commands = watch.window(lambda: d.client.submit(run))
-    mine = own_ports()
+    mine = own_ports(to=watch.client.connection_pool.connection_kwargs["port"])  # the private Redis
     sent = [c["command"].split(" ", 2)[:2] for c in commands
             if c["client_port"] in mine and c["client_type"] != "lua"]  # fmt: skip
     names = {s.sha: n for n, s in d.store._scripts.items()} | {d.store._workers.sha: "WORKERS"}

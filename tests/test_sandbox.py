@@ -857,6 +857,58 @@ def test_a_tool_the_fork_server_cannot_import_forks_from_the_worker() -> None:
             del REGISTRY[name]
 
 
+def _waiting_spares(server: zygote.Zygote) -> set[int]:
+    """The fork server's children: spares it forked ahead, and calls' processes not yet reaped."""
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        return {int(pid) for pid in f.read().split()}
+
+
+def test_the_fork_server_forks_spares_ahead_between_bursts(monkeypatch) -> None:
+    """Calls come in bursts: while no request comes, the server forks as many spares as it was
+    asked for lately, at most TOOLOOP_SANDBOX_STOCK; the next burst's calls start in them,
+    one process per call as before, each at the worker's priority (a server that may take a
+    priority back, CAP_SYS_NICE, forks them at nice 19)."""
+    monkeypatch.setenv("TOOLOOP_SANDBOX_STOCK", "6")
+    server = fresh_server()
+    burst = [FORK.ok(hostile.identity)["pid"] for _ in range(4)]
+    wait_for(lambda: len(_waiting_spares(server)) == 4, 10)  # as many as were asked for
+    ahead = _waiting_spares(server)
+    niced = {os.getpriority(os.PRIO_PROCESS, pid) for pid in ahead}
+    assert niced == ({19} if zygote._may_renice() else {os.getpriority(os.PRIO_PROCESS, 0)})
+    calls = [FORK.ok(hostile.identity) for _ in range(4)]
+    assert {c["pid"] for c in calls} == ahead and not ahead & set(burst)  # one process per call
+    assert {c["nice"] for c in calls} == {os.getpriority(os.PRIO_PROCESS, 0)}
+    assert {c["ppid"] for c in calls} == {server.proc.pid}
+    for _ in range(10):  # a larger burst: the stock stops at its bound
+        FORK.ok(hostile.identity)
+    wait_for(lambda: len(_waiting_spares(server)) == 6, 10)
+    time.sleep(0.5)
+    assert len(_waiting_spares(server)) == 6
+
+
+def test_spares_killed_while_waiting_cost_only_a_fresh_fork(monkeypatch) -> None:
+    monkeypatch.setenv("TOOLOOP_SANDBOX_STOCK", "3")
+    server = fresh_server()
+    for _ in range(3):
+        FORK.ok(hostile.identity)
+    wait_for(lambda: len(_waiting_spares(server)) == 3, 10)
+    ahead = _waiting_spares(server)
+    for pid in ahead:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    again = FORK.ok(hostile.identity)
+    assert again["pid"] not in ahead and again["ppid"] == server.proc.pid
+
+
+def test_by_default_no_stock_each_spare_is_forked_when_asked(monkeypatch) -> None:
+    monkeypatch.delenv("TOOLOOP_SANDBOX_STOCK", raising=False)
+    server = fresh_server()
+    for _ in range(4):
+        FORK.ok(hostile.identity)
+    time.sleep(0.5)
+    assert _waiting_spares(server) == set()
+
+
 # -- the fork layer's copy of the worker's memory ----------------------------------------------------
 @pytest.fixture
 def worker_holding_secrets(monkeypatch) -> Iterator[tuple[str, str]]:

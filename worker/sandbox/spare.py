@@ -137,11 +137,12 @@ def _registered_name(fn: Callable[..., Any]) -> str | None:
 
 def _spawn_spare(server: Zygote | None = None) -> _Spare:
     """A spare process: forked by ``server``, or by this process."""
+    if server is not None:  # from its stock, or forked now (worker/sandbox/zygote.py)
+        pid, request_w, result_r = server.take()
+        return _Spare(pid, request_w, result_r, (), server)
     request_r, request_w = os.pipe()
     result_r, result_w = os.pipe()
     try:
-        if server is not None:
-            return _Spare(server.spawn(request_r, result_w), request_w, result_r, (), server)
         kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
         return _Spare(fork_spare(request_r, result_w, (request_w, result_r)), request_w, result_r, kept)
     except BaseException:

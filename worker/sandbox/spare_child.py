@@ -9,6 +9,7 @@ to, do not import each other."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
@@ -39,9 +40,10 @@ from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
+def fork_spare(request_r: int, result_w: int, close: tuple[int, ...], renice: int | None = None) -> int:
     """Fork a spare holding these pipe ends (``close``: this process's other descriptors
-    the child must not keep); its pid."""
+    the child must not keep); its pid. ``renice``: the priority it takes back once it is
+    given its call (a spare forked ahead, at a low priority, by a root fork server)."""
     fds = [int(n) for n in os.listdir("/proc/self/fd")]
     facts = _Facts(fds=fds, handlers=_handlers(os.getpid()), limits=[])
     kept = tuple(fd for (pid, _), fd in _net_fds.items() if pid == os.getpid())
@@ -50,11 +52,12 @@ def fork_spare(request_r: int, result_w: int, close: tuple[int, ...]) -> int:
     if pid == 0:  # child: never returns
         for fd in close:
             os.close(fd)
-        _spare_main(facts, result_w, request_r, kept)
+        _spare_main(facts, result_w, request_r, kept, renice)
     return pid
 
 
-def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, ...]) -> NoReturn:
+def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, ...],
+                renice: int | None = None) -> NoReturn:  # fmt: skip
     code = 1
     parent = os.getppid()  # the worker, or its fork server: the call dies with it
     try:
@@ -69,6 +72,9 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
         if request is None:  # the worker went away (or changed its mind)
             code = 0
             return
+        if renice is not None:  # forked ahead at a low priority: the call runs at the worker's
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, renice)
         plan, limits, name, kwargs, may_stay = request
         if not may_stay:
             os.close(REQUEST_FD)

@@ -15,6 +15,18 @@ calls' processes die with it.
 
 A tool the server did not import the same way (defined in ``__main__``, registered
 after the server started) is forked from the worker, as before.
+
+With ``TOOLOOP_SANDBOX_STOCK=N`` the server keeps a stock of spares, forked while no
+request comes (``IDLE_S``), as many as it was asked for within ``WINDOW_S`` at the most (the
+peak of the last ``PEAK_S``), at most N. Calls arrive in bursts (every run's model answers
+at about the same time): the fork and the spare's start (~1.8 ms of CPU of the ~4-5 ms a
+call's process costs) are then paid between the bursts. A server that may take a priority
+back (CAP_SYS_NICE) forks its stock at nice 19, and each spare takes the server's priority
+back when it is handed its call, before it confines itself. Stocked spares not asked for
+within ``STOCK_TTL_S`` end; each waits as a process of ~1.8 MB PSS. Off by default (0): in
+``bench/concurrency.py`` (100 and 500 runs, load 10-17) no gain in efficiency could be told
+from the load's noise, while the stock forked and not used (at the end of a burst) added
+~1-1.5 ms of CPU per call (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,17 +37,21 @@ import importlib
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("!cq")  # op, argument: b"F" fork a spare (fds attached), b"W" wait for pid
+_FRAME = struct.Struct("!cq")  # op, argument: b"S" a spare (its two fds come back), b"W" wait for pid
 _ANSWER = struct.Struct("!q")
 _BOOT = (
     "import os, sys; sys.path[:] = os.environ.pop('TOOLOOP_ZYGOTE_PATH').split(os.pathsep); "
@@ -43,6 +59,19 @@ _BOOT = (
 )
 _KEPT_STATUSES = 4096  # exit statuses of processes nobody asked about yet, at most
 START_TIMEOUT_S = 60.0  # for the server to import the tool modules (a hung import: no server)
+DEFAULT_STOCK = 0  # spares forked ahead at most (TOOLOOP_SANDBOX_STOCK; off: see the notes)
+IDLE_S = 0.05  # no request for this long: the server forks a spare for its stock
+WINDOW_S = 10.0  # the stock aims at the spares asked for within this long...
+PEAK_S = 120.0  # ...at the most, over this long
+STOCK_TTL_S = 60.0  # a stocked spare not asked for within this long ends
+
+
+def stock_size() -> int:
+    """Spares a fork server forks ahead, at most (``TOOLOOP_SANDBOX_STOCK``; 0: none)."""
+    try:
+        return max(0, int(os.environ.get("TOOLOOP_SANDBOX_STOCK", DEFAULT_STOCK)))
+    except ValueError:
+        return DEFAULT_STOCK
 
 
 def tool_names(registry: dict[str, Any]) -> dict[str, str]:
@@ -69,7 +98,7 @@ class Zygote:
         # server, so nothing of the worker's environment (keys, passwords, URLs) is in it.
         env = base_environment()
         env.update(TOOLOOP_ZYGOTE_FD=str(theirs.fileno()), TOOLOOP_ZYGOTE_PATH=os.pathsep.join(sys.path))
-        command = [sys.executable, "-c", _BOOT, str(os.getpid())]
+        command = [sys.executable, "-c", _BOOT, str(stock_size()), str(os.getpid())]
         self.proc = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.sock = ours
@@ -106,11 +135,21 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, request_r: int, result_w: int) -> int:
-        """A spare process, forked by the server, holding these two pipe ends: its pid."""
+    def take(self) -> tuple[int, int, int]:
+        """A spare process: from the server's stock, or forked now. (pid, the end of its
+        request pipe, the end of its result pipe)."""
         with self.lock:
-            socket.send_fds(self.sock, [_FRAME.pack(b"F", 0)], [request_r, result_w])
-            return self._answer()
+            self.sock.sendall(_FRAME.pack(b"S", 0))
+            data, fds, _, _ = socket.recv_fds(self.sock, _ANSWER.size, 2)
+            if not data:
+                raise OSError("the sandbox's fork server is gone")
+            data += self._exactly(_ANSWER.size - len(data)) if len(data) < _ANSWER.size else b""
+            (value,) = _ANSWER.unpack(data)
+            if value < 0 or len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                raise OSError(-value if value < 0 else 5, os.strerror(-value if value < 0 else 5))
+            return value, fds[0], fds[1]
 
     def wait(self, pid: int) -> int:
         """The exit status of a process this server forked (it must be ending: killed or done)."""
@@ -193,7 +232,7 @@ def main() -> None:
     sock.sendall(len(have).to_bytes(8, "big") + have)
     gc.collect()
     gc.freeze()  # the spares' collections never walk (and copy) the server's own objects
-    _serve(sock)
+    _serve(sock, int(sys.argv[-2]))
 
 
 def _import(modules: list[str]) -> None:
@@ -208,23 +247,136 @@ def _import(modules: list[str]) -> None:
             log.warning("sandbox fork server: cannot import %s", module, exc_info=True)
 
 
-def _serve(sock: socket.socket) -> None:
-    from worker.sandbox.spare_child import fork_spare
+@dataclass
+class _Stocked:
+    pid: int
+    request_w: int
+    result_r: int
+    made_at: float
 
-    done: dict[int, int] = {}
-    while True:
+
+class _Stock:
+    """Spares forked ahead of their request (see the module's notes)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.spares: deque[_Stocked] = deque()
+        self.asked: deque[float] = deque()  # when spares were asked for, within WINDOW_S
+        self.peak, self.peak_at = 0, 0.0
+        self.root = _may_renice()  # a spare forked at nice 19 can take its priority back
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)  # the server's own: a spare's once it has a call
+
+    def wanted(self, now: float) -> int:
+        while self.asked and now - self.asked[0] > WINDOW_S:
+            self.asked.popleft()
+        if len(self.asked) >= self.peak or now - self.peak_at > PEAK_S:
+            self.peak, self.peak_at = len(self.asked), now
+        return min(self.most, self.peak)
+
+    def fork(self, sock: socket.socket, ahead: bool) -> _Stocked:
+        """A spare holding its two pipe ends; ``ahead``: for the stock (niced, when root)."""
+        from worker.sandbox.spare_child import fork_spare
+
+        request_r, request_w = os.pipe()
+        result_r, result_w = os.pipe()
+        others = tuple(fd for s in self.spares for fd in (s.request_w, s.result_r))
+        niced = ahead and self.root
         try:
-            frame, fds, _, _ = socket.recv_fds(sock, _FRAME.size, 2)
+            if niced:
+                os.setpriority(os.PRIO_PROCESS, 0, 19)
+            pid = fork_spare(request_r, result_w, (sock.fileno(), request_w, result_r, *others),
+                             renice=self.nice if niced else None)  # fmt: skip
+        except BaseException:
+            os.close(request_w)
+            os.close(result_r)
+            raise
+        finally:
+            if niced:
+                os.setpriority(os.PRIO_PROCESS, 0, self.nice)
+            os.close(request_r)
+            os.close(result_w)
+        return _Stocked(pid, request_w, result_r, time.monotonic())
+
+    def take(self, sock: socket.socket, done: dict[int, int]) -> _Stocked:
+        self.asked.append(time.monotonic())
+        while self.spares:
+            spare = self.spares.popleft()
+            if spare.pid not in done and not _doomed(spare.pid):  # (killed while it waited: the next)
+                return spare
+            self.end(spare)
+        return self.fork(sock, ahead=False)
+
+    def end(self, spare: _Stocked) -> None:
+        """Close its pipes: it reads the end and exits (reaped as it does)."""
+        for fd in (spare.request_w, spare.result_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def idle(self, sock: socket.socket, done: dict[int, int], since: float) -> float | None:
+        """While no request comes: fork one spare for the stock, or end a stale one. The
+        time to wait for a request before the next step (None: until one comes)."""
+        now = time.monotonic()
+        for spare in [s for s in self.spares if s.pid in done or now - s.made_at > STOCK_TTL_S]:
+            self.spares.remove(spare)
+            self.end(spare)
+        if len(self.spares) >= self.wanted(now):
+            return STOCK_TTL_S if self.spares else (WINDOW_S if self.asked else None)
+        if now - since < IDLE_S:
+            return IDLE_S - (now - since)
+        try:
+            self.spares.append(self.fork(sock, ahead=True))
+        except OSError:
+            log.warning("sandbox fork server: cannot fork a spare ahead", exc_info=True)
+            return IDLE_S * 20
+        return 0.0
+
+
+def _doomed(pid: int) -> bool:
+    """Exited, or killed and not yet gone (a SIGKILL pending: a spare at nice 19 on a busy box
+    may take a while to die)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+        return status["State"].split()[0] in ("Z", "X") or bool(pending >> (signal.SIGKILL - 1) & 1)
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
+
+
+def _may_renice() -> bool:
+    """Whether this process may lower a niceness (CAP_SYS_NICE: root, outside Docker's default
+    capabilities): only then is the stock forked at nice 19."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> 23 & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+
+
+def _serve(sock: socket.socket, most: int) -> None:
+    done: dict[int, int] = {}
+    stock = _Stock(most)
+    last = time.monotonic()
+    while True:
+        wait = stock.idle(sock, done, last) if stock.most else None
+        if wait is not None and not select.select([sock], [], [], wait)[0]:
+            _reap(done)
+            continue
+        try:
+            frame, fds, _, _ = socket.recv_fds(sock, _FRAME.size, 2)  # (no fds come now: closed)
         except OSError:
             return
         if len(frame) < _FRAME.size:
             return  # the worker is gone
+        last = time.monotonic()
         op, arg = _FRAME.unpack(frame)
         _reap(done)
+        given: list[int] = []
         try:
-            if op == b"F":
-                request_r, result_w = fds
-                answer = fork_spare(request_r, result_w, (sock.fileno(),))
+            if op == b"S":
+                spare = stock.take(sock, done)
+                answer, given = spare.pid, [spare.request_w, spare.result_r]
             else:
                 answer = done.pop(arg) if arg in done else os.waitpid(arg, 0)[1]
         except OSError as exc:
@@ -232,7 +384,14 @@ def _serve(sock: socket.socket) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.sendall(_ANSWER.pack(answer))
+        try:
+            if given:
+                socket.send_fds(sock, [_ANSWER.pack(answer)], given)
+            else:
+                sock.sendall(_ANSWER.pack(answer))
+        finally:
+            for fd in given:  # the worker holds them now
+                os.close(fd)
 
 
 def _reap(done: dict[int, int]) -> None:
