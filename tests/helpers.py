@@ -17,6 +17,17 @@ from typing import Any
 READY_S = 180.0
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie is dead for our purpose, and so is a process that ends
+    while we look (reading its /proc entry then fails with ESRCH or ENOENT: a test once
+    failed with the ProcessLookupError of the very exit it was waiting for)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout: float = 15, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + timeout

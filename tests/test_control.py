@@ -9,17 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import Status
-from tests.helpers import call, tools, wait_for
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[1].split()[0] != "Z"
+from tests.helpers import call, process_alive, tools, wait_for
 
 
 def test_abort_during_model_call_discards_the_reply(client, worker, spec, model_server, store):
@@ -42,10 +32,10 @@ def test_abort_during_tool_call_kills_the_tool(client, worker, spec, store):
     handle = client.submit(s)
     pid_file = os.path.join(os.environ["TOOLOOP_SANDBOX_ROOT"], handle.run_id, "pid.txt")
     pid = int(wait_for(lambda: os.path.exists(pid_file) and Path(pid_file).read_text()))
-    assert alive(pid)
+    assert process_alive(pid)
     handle.abort()
     assert handle.status() == Status.aborted
-    wait_for(lambda: not alive(pid), timeout=3)
+    wait_for(lambda: not process_alive(pid), timeout=3)
     # the worker keeps serving
     again = client.submit(spec([{"content": "still here"}])).wait(timeout=20)
     assert again.content == "still here"

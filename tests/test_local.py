@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from tests.conftest import ROOT
-from tests.helpers import wait_for
+from tests.helpers import process_alive, wait_for
 
 PARENT = textwrap.dedent("""
     import sys, time
@@ -34,15 +34,7 @@ def test_a_worker_stops_when_the_process_that_started_it_is_killed(deployment) -
     wait_for(lambda: f"turns@{name}" in d.store.live_workers(), timeout=90)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    wait_for(lambda: not _alive(launcher), timeout=40)  # a warm shutdown, not a kill
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+    wait_for(lambda: not process_alive(launcher), timeout=40)  # a warm shutdown, not a kill
 
 
 # -- make: install only when pyproject.toml changed ----------------------------------------

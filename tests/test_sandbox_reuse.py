@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.models import SandboxPolicy
 from tests import hostile_tools as hostile
+from tests.helpers import process_alive
 from tests.test_sandbox import alive, gone, marker, needs_root, runs_root
 from worker import sandbox
 from worker.sandbox import CallOutcome, SandboxContext, run_call
@@ -57,15 +58,7 @@ def test_the_calls_of_a_run_share_a_process_and_find_their_run_as_it_was() -> No
     assert stranger["pid"] != first["pid"] and stranger["uid"] != first["uid"]  # never two runs
     sandbox.reuse.forget(run_id)
     assert gone(lambda: [first["pid"]] if os.path.exists(f"/proc/{first['pid']}") and
-                _running(first["pid"]) else [])  # fmt: skip
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+                process_alive(first["pid"]) else [])  # fmt: skip
 
 
 @pytest.mark.parametrize("leave", ["process", "thread", "file", "memory", "timeout"])
@@ -105,6 +98,6 @@ def test_an_idle_process_ends_and_the_next_call_gets_a_fresh_one(monkeypatch) ->
     time.sleep(0.3)
     sandbox.settle()  # what the pool process does after its next call of any run
     assert sandbox.reuse.kept_pid(run_id) is None
-    assert gone(lambda: [first] if _running(first) else [])
+    assert gone(lambda: [first] if process_alive(first) else [])
     assert pid_of(call(hostile.identity)) != first
     sandbox.reuse.forget(run_id)
