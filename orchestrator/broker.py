@@ -43,6 +43,20 @@ DELIVERY_TIMEOUT_S = 6 * 3600
 DELIVERY_LIMIT = 5  # deliveries of one message (RabbitMQ quorum queues)
 
 
+def redis_of(store: Any) -> Any:
+    """The broker's Redis client, for scripts run on its queues (JUMP, the sweeper's look for
+    a message): the store's own when they are one Redis (whatever its URL form: sentinel), a
+    new client for another Redis, None for RabbitMQ. Callers keep what it returns."""
+    url, settings = store.settings.broker, store.settings
+    if url == settings.redis_url:
+        return store.redis
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=30)
+
+
 def is_amqp(url: str) -> bool:
     return urlsplit(url).scheme in AMQP_SCHEMES
 

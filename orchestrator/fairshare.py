@@ -345,12 +345,9 @@ class FairShare:
     def broker(self) -> Any:
         """The broker's Redis client (the store's when they are one), or None (RabbitMQ)."""
         if self._broker is _UNSET:
-            import redis
+            from orchestrator.broker import redis_of
 
-            url, settings = self.store.settings.broker, self.store.settings
-            self._broker = (self.store.redis if url == settings.redis_url
-                            else redis.Redis.from_url(url, socket_timeout=30)
-                            if url.startswith(("redis://", "rediss://", "unix://")) else None)  # fmt: skip
+            self._broker = redis_of(self.store)
         return self._broker
 
     # -- tokens -----------------------------------------------------------------------

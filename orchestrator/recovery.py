@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 import orchestrator.metrics as metrics
-from orchestrator.broker import queue_depths
+from orchestrator.broker import queue_depths, redis_of
 from orchestrator.calls import model_call_id
 from orchestrator.dispatch import call_queue, default_app, enqueue_turn, message_of, send
 from orchestrator.fairshare import queue_gated
@@ -28,6 +28,7 @@ from orchestrator.models import Exit, ToolCallRecord
 from orchestrator.store import Dispatch, Finish, Recovery, RunStore
 
 log = logging.getLogger(__name__)
+_UNSET = object()  # the broker's client not yet looked up (None: RabbitMQ)
 
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
              redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError)  # fmt: skip
@@ -49,7 +50,7 @@ class Sweeper:
 
     def __init__(self, store: RunStore, name: str, celery_app: Any = None) -> None:
         self.store, self.name, self.celery = store, name, celery_app
-        self._broker: redis.Redis | None = None
+        self._broker: Any = _UNSET
         self._tools_seen: dict[str, float] | None = None
         # task id -> when a sweep first found that call waiting in its tool's queue (Redis
         # time, s): a tool no worker ever published counts as missing from then, not forever
@@ -163,13 +164,8 @@ class Sweeper:
         return bool(queue_depths(self.celery or default_app(), [queue])[queue])
 
     def _broker_client(self) -> redis.Redis | None:
-        url = self.store.settings.broker
-        if url == self.store.settings.redis_url:  # the store's Redis, whatever its URL form (sentinel)
-            return self.store.redis
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            return None
-        if self._broker is None:
-            self._broker = redis.Redis.from_url(url, socket_timeout=30)
+        if self._broker is _UNSET:
+            self._broker = redis_of(self.store)
         return self._broker
 
     def _flush(self) -> int:
