@@ -35,11 +35,11 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# before_after.py runs cpu_per_turn, overhead and concurrency on 9be8276 (main before issue 27)
+# and on this checkout, alternately, for the issue's table (docs/bench/before_after.txt).
 bench: install
 	$(PY) -m pip install -q -e '.[test,bench,peers]'
-	$(PY) bench/cpu_per_turn.py
-	$(PY) bench/concurrency.py
-	$(PY) bench/overhead.py
+	$(PY) bench/before_after.py
 	$(PY) bench/cli_startup.py
 	$(PY) bench/sandbox_overhead.py
 	$(PY) bench/fork_cpu.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import statistics
@@ -99,6 +101,21 @@ def publish(name: str, lines: list[str]) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     print(f"written to {write_result(name, text)}", file=sys.stderr)
+
+
+def json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    """The figures, with where this process's code came from: a before/after run checks that
+    each system's producer imported its own checkout."""
+    if not path:
+        return
+    import orchestrator
+
+    figures = {**figures, "orchestrator": orchestrator.__file__, "load": os.getloadavg()[0]}
+    Path(path).write_text(json.dumps(figures, indent=1) + "\n")
 
 
 def scripted_model():

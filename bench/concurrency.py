@@ -5,7 +5,7 @@ defaults serves them. Ideal: T x D seconds, if every model call overlaps.
 Efficiency = ideal / wall, wall from the first submit to the last run's end
 (``ended_at`` in the run store). Targets: >= 0.9 at 100 runs, >= 0.8 at 500.
 
-    python bench/concurrency.py [--runs 100,500] [--turns 3] [--delay 5] [--profile]
+    python bench/concurrency.py [--runs 100,500] [--turns 3] [--delay 5] [--profile] [--json FILE]
 
 ``--profile`` records every worker process with py-spy (``--gil``: CPU, not waits)
 for 15 s of the largest load, from its first submit: flame graphs in docs/bench/,
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cpu_per_turn, procs
-from bench.common import REDIS_PID, environment, local_worker, publish, scripted_spec
+from bench.common import REDIS_PID, environment, json_option, local_worker, publish, scripted_spec, write_json
 from bench.profile_shares import summary
 
 TARGETS = {100: 0.9, 500: 0.8}
@@ -40,7 +40,8 @@ def steps(turns: int, delay: float) -> list[dict]:
 
 
 def one_load(client, model_server, runs: int, turns: int, delay: float, worker_pid: int,
-             profile: bool = False) -> list[str]:  # fmt: skip
+             profile: bool = False) -> tuple[list[str], dict]:  # fmt: skip
+    """The load's report lines and its figures (for --json)."""
     spec = scripted_spec(model_server, model_server.script(steps(turns, delay)), tools=["add"])
     cpu0 = procs.cpu_of_tree(worker_pid) + (procs.cpu_of(REDIS_PID[0]) if REDIS_PID else 0.0)
     roles0 = roles(worker_pid)
@@ -75,6 +76,8 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
     ideal = turns * delay
     target = f"; target >= {TARGETS[runs]}" if runs in TARGETS else ""
     median_run = statistics.median(ended) - started
+    figures = {"efficiency": ideal / wall, "wall_s": wall, "completed": ok, "runs": runs, "turns": turns,
+               "delay_s": delay, "cpu_ms_per_turn": cpu / (runs * turns) * 1000}  # fmt: skip
     return [
         f"  {runs} runs x {turns} turns, model {delay:g} s",
         f"    submitted in        {submitted:7.2f} s (one producer script)",
@@ -89,7 +92,7 @@ def one_load(client, model_server, runs: int, turns: int, delay: float, worker_p
                                                   for k, v in by_role.items()),
         *waves(model_server.calls(spec["model"]), started, delay),
         *timeline.lines(started),
-    ]  # fmt: skip
+    ], figures  # fmt: skip
 
 
 def roles(worker_pid: int) -> dict[str, float]:
@@ -191,7 +194,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--delay", type=float, default=5.0)
     parser.add_argument("--profile", action="store_true", help="py-spy the worker during the largest load")
+    json_option(parser)
     args = parser.parse_args()
+    figures: dict[str, dict] = {}
     with ExitStack() as stack:
         env = environment(stack, "examples.tools")
         client, model_server, worker = local_worker(stack, "conc", env=env)
@@ -201,8 +206,11 @@ def main() -> None:
         loads = [int(r) for r in args.runs.split(",")]
         for runs in loads:
             profile = args.profile and runs == max(loads)
-            lines += one_load(client, model_server, runs, args.turns, args.delay, worker.proc.pid, profile)
+            load_lines, figures[str(runs)] = one_load(client, model_server, runs, args.turns, args.delay,
+                                                      worker.proc.pid, profile)  # fmt: skip
+            lines += load_lines
     publish("concurrency", lines)
+    write_json(args.json, {"loads": figures})
 
 
 if __name__ == "__main__":

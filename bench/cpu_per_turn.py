@@ -21,6 +21,7 @@ Then the plain and tools phases again on a worker whose calls fork from its pool
 processes (the fork server off, as before it): the ratio, measured in the same run.
 
     python bench/cpu_per_turn.py [--runs 40] [--turns 10] [--long-runs 4] [--profile] [--no-compare-fork]
+                                 [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,7 +38,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procs
-from bench.common import REDIS_PID, ROOT, environment, local_worker, publish, scripted_spec
+from bench.common import (
+    REDIS_PID,
+    ROOT,
+    environment,
+    json_option,
+    local_worker,
+    publish,
+    scripted_spec,
+    write_json,
+)
 
 LONG_TURNS = 100
 
@@ -180,6 +190,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the worker during the tools phase")
     parser.add_argument("--no-compare-fork", dest="compare_fork", action="store_false",
                         help="skip the same phases with calls forked from the worker (fork server off)")
+    json_option(parser)
     args = parser.parse_args()
     with ExitStack() as stack:
         env = environment(stack, "examples.tools")
@@ -274,6 +285,14 @@ def report(args, head: list[str], idle: float, plain: Phase, tools: Phase, long:
         f"(+ {rss[2] / 2**20:.0f} MB: its sandbox fork server)",
     ]
     publish("cpu_per_turn", lines)
+    figures = {
+        "plain_ms": per_plain * ms,
+        "tool_ms": per_tool * ms,
+        "tool_all_in_ms": tools.cpu_s / tools.tool_turns * ms,
+        "redis_tool_ms": redis_tool * ms,
+        "saturation": tools.tool_turns / tools.wall_s,
+    }
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

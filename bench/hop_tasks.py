@@ -7,6 +7,8 @@ same app settings, so the figure is the cost of Celery itself on this machine.
 
 from __future__ import annotations
 
+import json
+
 from worker.app import app, get_store
 
 HOP_TASK = "tooloop.bench.hop"
@@ -28,3 +30,16 @@ ECHO_TASK = "tooloop.bench.echo"
 def echo(value: int) -> int:
     """A Celery call as producers make them: send, run, store the result, get it back."""
     return value
+
+
+WHERE_TASK = "tooloop.bench.where"
+
+
+@app.task(name=WHERE_TASK, ignore_result=True)
+def where(done_key: str) -> None:
+    """Where this worker process imported its code from: a before/after run checks that each
+    system's workers run their own checkout."""
+    import orchestrator
+    import worker
+
+    get_store().redis.rpush(done_key, json.dumps([orchestrator.__file__, worker.__file__]))

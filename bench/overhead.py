@@ -12,7 +12,7 @@ per-turn time - the in-process loop's. Realistic spec: six tools declared, one
 
 Rounds are interleaved; medians of one run. Target: <= 4 raw hops.
 
-    python bench/overhead.py [--turns 20] [--rounds 5]
+    python bench/overhead.py [--turns 20] [--rounds 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procs
-from bench.common import environment, median, publish, scripted_model, scripted_spec
+from bench.common import environment, json_option, median, publish, scripted_model, scripted_spec, write_json
 
 TOOLS = ["add", "multiply", "word_count", "read_file", "write_file", "list_dir"]  # one called
 
@@ -83,10 +83,23 @@ def raw_hop(store, hops: int) -> float:
     return (time.perf_counter() - started) / hops
 
 
+def worker_code(store) -> list[str]:
+    """The files of ``orchestrator`` and ``worker`` as a turn process and a tool process imported them."""
+    from bench.hop_tasks import WHERE_TASK
+    from worker.app import app
+
+    done = f"{store.keys.prefix}:bench:{uuid.uuid4().hex}"
+    for queue in (store.keys.turn_queue, store.keys.tool_queue):
+        app.send_task(WHERE_TASK, args=(done,), queue=queue, ignore_result=True)
+    replies = [store.redis.blpop([done], timeout=60) for _ in range(2)]
+    return sorted({path for reply in replies if reply for path in json.loads(reply[1])})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    json_option(parser)
     args = parser.parse_args()
     with ExitStack() as stack:
         env = environment(stack, "bench.hop_tasks,examples.tools")
@@ -104,6 +117,7 @@ def main() -> None:
         stack.callback(worker.stop)
         worker.wait_ready(client.store)
         head = [*procs.machine(client.store.redis), procs.load_average()]
+        code = worker_code(client.store) if args.json else []
         api = model_server.api_base
         times: dict[str, list[float]] = {"hop": [], "in20": [], "in1": [], "tl20": [], "tl1": []}
         for round_ in range(args.rounds + 2):  # two warm-up rounds: connections, imports, caches
@@ -116,10 +130,11 @@ def main() -> None:
             if round_ >= 2:
                 for name, value in sample.items():
                     times[name].append(value)
-    report(args.turns, args.rounds, head, {k: median(v) for k, v in times.items()})
+    figures = report(args.turns, args.rounds, head, {k: median(v) for k, v in times.items()})
+    write_json(args.json, {**figures, "worker_code": code})
 
 
-def report(turns: int, rounds: int, head: list[str], t: dict[str, float]) -> None:
+def report(turns: int, rounds: int, head: list[str], t: dict[str, float]) -> dict[str, float]:
     per_in = (t["in20"] - t["in1"]) / (turns - 1)
     per_tl = (t["tl20"] - t["tl1"]) / (turns - 1)
     overhead = per_tl - per_in
@@ -134,6 +149,8 @@ def report(turns: int, rounds: int, head: list[str], t: dict[str, float]) -> Non
         f"  overhead / turn in raw hops        {overhead / t['hop']:7.2f}   (target <= 4)",
     ]
     publish("overhead", lines)
+    return {"hop_ms": t["hop"] * 1000, "in_process_ms": per_in * 1000, "tooloop_ms": per_tl * 1000,
+            "overhead_ms": overhead * 1000, "overhead_hops": overhead / t["hop"]}  # fmt: skip
 
 
 if __name__ == "__main__":
