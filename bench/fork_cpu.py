@@ -42,7 +42,7 @@ def _server_pid() -> int | None:
     from worker.sandbox import zygote
 
     server = zygote._zygotes.get(os.getpid())
-    return server.proc.pid if server else None
+    return server.pid if server else None
 
 
 def measure(calls: int, server: bool, root: str) -> dict[str, float]:

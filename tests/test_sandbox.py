@@ -46,6 +46,7 @@ from tests.helpers import wait_for
 from worker import builtins, sandbox
 from worker.registry import REGISTRY, tool
 from worker.sandbox import CallOutcome, SandboxContext, layers, run_call, zygote
+from worker.sandbox.fork_server import may_renice
 
 BWRAP = layers("auto")["bwrap"]
 KERNEL = sandbox.kernel.status()  # why Landlock / its TCP rules / seccomp are off ("" when on)
@@ -530,10 +531,10 @@ def test_no_variable_of_the_workers_environment_reaches_a_call(layer: Layer, wor
         monkeypatch.setenv("TOOLOOP_SANDBOX_FORK_SERVER", fork_server)
         if fork_server == "1" and layer.name == "fork":
             server = fresh_server()  # started now: with this environment around it
-            with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+            with open(f"/proc/{server.pid}/environ", "rb") as f:
                 block = f.read().decode(errors="replace")
             names = {item.split("=", 1)[0] for item in block.split("\0") if "=" in item}
-            assert names - ALLOWED_ENV <= {"TOOLOOP_ZYGOTE_FD", "TOOLOOP_ZYGOTE_PATH"}, names
+            assert {n for n in names - ALLOWED_ENV if not n.startswith("TOOLOOP_ZYGOTE_")} == set(), names
             assert not [v for v in values if v in block]
         late = f"late-{uuid.uuid4().hex[:8]}"
         monkeypatch.setenv("LATE_SECRET", late)  # after the server started, and after earlier calls
@@ -798,10 +799,7 @@ WORKER_MODULES = ["celery", "kombu", "redis", "orchestrator.store", "orchestrato
 
 def fresh_server() -> zygote.Zygote:
     """This process's fork server, started anew (so that it sees the environment as it is now)."""
-    old = zygote._zygotes.pop(os.getpid(), None)
-    if old:
-        old.stop()
-    server = zygote.for_this_process()
+    server = zygote.restart()
     assert server is not None and server.alive()
     return server
 
@@ -812,12 +810,12 @@ def test_forked_calls_start_from_the_fork_server_not_the_worker(monkeypatch) -> 
     monkeypatch.setenv("TOOLOOP_SECRET_KEY", f"sealing-{uuid.uuid4().hex[:6]}")
     server = fresh_server()
     first, second = FORK.ok(hostile.identity), FORK.ok(hostile.identity)
-    assert first["ppid"] == second["ppid"] == server.proc.pid != os.getpid()
+    assert first["ppid"] == second["ppid"] == server.pid != os.getpid()
     assert first["pid"] != second["pid"]
     for name in WORKER_MODULES:  # this process plays the worker
         __import__(name)
     assert FORK.ok(hostile.imported, names=WORKER_MODULES) == []  # in the call's
-    with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+    with open(f"/proc/{server.pid}/environ", "rb") as f:
         env = [item.split(b"=", 1)[0].decode() for item in f.read().split(b"\0") if b"=" in item]
     assert "TOOLOOP_SECRET_KEY" in os.environ
     assert [k for k in env if k.startswith("TOOLOOP_") and not k.startswith("TOOLOOP_ZYGOTE_")] == []
@@ -831,13 +829,13 @@ def test_a_call_dies_with_its_fork_server_and_the_next_call_gets_a_new_server() 
     call.start()
     wait_for(lambda: alive(mark), 10)  # the tool started
     started = time.monotonic()
-    os.kill(server.proc.pid, signal.SIGKILL)
+    os.kill(server.pid, signal.SIGKILL)
     call.join(15)
     assert not call.is_alive() and time.monotonic() - started < 10
     assert outcome[0].error and outcome[0].error.startswith("Killed"), outcome[0].error
     assert gone(lambda: alive(mark))  # what it started went with it
     again = FORK.ok(hostile.identity)
-    assert again["ppid"] == zygote.for_this_process().proc.pid != server.proc.pid
+    assert again["ppid"] == zygote.for_this_process().pid != server.pid
 
 
 def test_a_tool_the_fork_server_cannot_import_forks_from_the_worker() -> None:
@@ -859,7 +857,7 @@ def test_a_tool_the_fork_server_cannot_import_forks_from_the_worker() -> None:
 
 def _waiting_spares(server: zygote.Zygote) -> set[int]:
     """The fork server's children: spares it forked ahead, and calls' processes not yet reaped."""
-    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+    with open(f"/proc/{server.pid}/task/{server.pid}/children") as f:
         return {int(pid) for pid in f.read().split()}
 
 
@@ -874,11 +872,11 @@ def test_the_fork_server_forks_spares_ahead_between_bursts(monkeypatch) -> None:
     wait_for(lambda: len(_waiting_spares(server)) == 4, 10)  # as many as were asked for
     ahead = _waiting_spares(server)
     niced = {os.getpriority(os.PRIO_PROCESS, pid) for pid in ahead}
-    assert niced == ({19} if zygote._may_renice() else {os.getpriority(os.PRIO_PROCESS, 0)})
+    assert niced == ({19} if may_renice() else {os.getpriority(os.PRIO_PROCESS, 0)})
     calls = [FORK.ok(hostile.identity) for _ in range(4)]
     assert {c["pid"] for c in calls} == ahead and not ahead & set(burst)  # one process per call
     assert {c["nice"] for c in calls} == {os.getpriority(os.PRIO_PROCESS, 0)}
-    assert {c["ppid"] for c in calls} == {server.proc.pid}
+    assert {c["ppid"] for c in calls} == {server.pid}
     for _ in range(10):  # a larger burst: the stock stops at its bound
         FORK.ok(hostile.identity)
     wait_for(lambda: len(_waiting_spares(server)) == 6, 10)
@@ -897,7 +895,7 @@ def test_spares_killed_while_waiting_cost_only_a_fresh_fork(monkeypatch) -> None
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
     again = FORK.ok(hostile.identity)
-    assert again["pid"] not in ahead and again["ppid"] == server.proc.pid
+    assert again["pid"] not in ahead and again["ppid"] == server.pid
 
 
 def test_by_default_no_stock_each_spare_is_forked_when_asked(monkeypatch) -> None:
@@ -1296,14 +1294,13 @@ def test_a_sandbox_root_owned_by_someone_else_is_refused(tmp_path: Path) -> None
 
 
 def _idle_spares(worker: WorkerProcess) -> list[int]:
-    """The waiting spare processes: children of the fork servers (worker/sandbox/zygote.py)
-    that the tool pool's processes started, below the tools worker's main process."""
+    """The waiting spare processes (and kept ones): children of the fork server the tools
+    pool's main process started (worker/sandbox/zygote.py), below the worker's launcher."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
     rows = [line.split(None, 2) for line in out.stdout.splitlines()]
     tools = {int(pid): int(ppid) for pid, ppid, args in rows if f"tools@{worker.name}" in args}
     main = [pid for pid, ppid in tools.items() if ppid == worker.proc.pid]
-    pool = [pid for pid, ppid in tools.items() if ppid in main]
-    servers = [int(pid) for pid, ppid, args in rows if int(ppid) in pool and "sandbox fork server" in args]
+    servers = [int(pid) for pid, ppid, args in rows if int(ppid) in main and "sandbox fork server" in args]
     return [int(pid) for pid, ppid, _ in rows if int(ppid) in servers]
 
 

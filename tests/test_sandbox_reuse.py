@@ -7,17 +7,16 @@ runs in a reused process (its ``fork-reused`` layer)."""
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 import pytest
 
 from orchestrator.models import SandboxPolicy
 from tests import hostile_tools as hostile
-from tests.helpers import process_alive
+from tests.helpers import process_alive, wait_for
 from tests.test_sandbox import alive, gone, marker, needs_root, runs_root
 from worker import sandbox
-from worker.sandbox import CallOutcome, SandboxContext, run_call
+from worker.sandbox import CallOutcome, SandboxContext, run_call, zygote
 
 pytestmark = needs_root
 
@@ -91,13 +90,17 @@ def test_no_reuse_with_tooloop_sandbox_reuse_0(monkeypatch) -> None:
 
 
 def test_an_idle_process_ends_and_the_next_call_gets_a_fresh_one(monkeypatch) -> None:
-    run_id = new_run_id()
-    call = run_of(run_id)
-    first = pid_of(call(hostile.identity))
-    monkeypatch.setattr(sandbox.reuse, "KEEP_IDLE_S", 0.2)
-    time.sleep(0.3)
-    sandbox.settle()  # what the pool process does after its next call of any run
-    assert sandbox.reuse.kept_pid(run_id) is None
-    assert gone(lambda: [first] if process_alive(first) else [])
-    assert pid_of(call(hostile.identity)) != first
-    sandbox.reuse.forget(run_id)
+    monkeypatch.setattr(zygote, "KEEP_IDLE_S", 0.2)
+    zygote.restart()  # a fork server that ends kept processes idle for 0.2 s
+    try:
+        run_id = new_run_id()
+        call = run_of(run_id)
+        first = pid_of(call(hostile.identity))
+        assert sandbox.reuse.kept_pid(run_id) == first
+        wait_for(lambda: sandbox.reuse.kept_pid(run_id) is None, 5)  # the server's sweep
+        assert gone(lambda: [first] if process_alive(first) else [])
+        assert pid_of(call(hostile.identity)) != first
+        sandbox.reuse.forget(run_id)
+    finally:
+        monkeypatch.undo()
+        zygote.restart()

@@ -29,9 +29,20 @@ log = get_task_logger(__name__)
 LOST = "WorkerLost: the worker running this call was lost; its outcome is unknown"
 
 
+@signals.celeryd_after_setup.connect
+def _start_fork_server(instance: Any, **_: Any) -> None:
+    """A tools pool's main process starts the pool's sandbox fork server before it forks
+    its processes (after worker.maintenance added the MCP tools to the registry)."""
+    from worker.sandbox import zygote
+
+    queues = list(instance.app.amqp.queues.consume_from or instance.app.amqp.queues)
+    if get_store().keys.tool_queue in queues:
+        zygote.start_hub()
+
+
 @signals.worker_process_init.connect
-def _start_fork_server(**_: Any) -> None:
-    """Each tool pool process starts its sandbox fork server as it starts, not at its first call."""
+def _connect_fork_server(**_: Any) -> None:
+    """Each tool pool process connects to it as it starts, not at its first call."""
     from worker.sandbox import zygote
 
     zygote.start_early()

@@ -50,10 +50,9 @@ _served: dict[int, Zygote | None] = {}  # pool process pid -> the fork server it
 
 
 def settle() -> None:
-    """After a call's result is recorded: reap what the call left, end the kept processes
-    no longer used, and fork the next call's process now rather than when that call arrives."""
+    """After a call's result is recorded: reap what the call left, and fork the next call's
+    process now rather than when that call arrives."""
     _run_pending()
-    reuse.expire()
     if os.getpid() in _spare_wanted and os.getpid() not in _spares:
         try:
             _spares[os.getpid()] = _spawn_spare(_served.get(os.getpid()))
