@@ -94,7 +94,7 @@ ACL_COMMANDS: tuple[str, ...] = (
     "evalsha", "script|load", "script|exists",
     "hget", "hgetall", "hmget", "hset", "hsetnx", "hdel", "hincrby", "hincrbyfloat", "hvals",
     "exists", "del", "expire", "get", "set",
-    "lpush", "rpush", "lrange", "llen", "brpop",
+    "lpush", "rpush", "lrange", "llen", "lrem", "brpop",
     "zadd", "zrem", "zrange", "zrevrange", "zrangebyscore", "zrevrangebyscore",
     "sadd", "srem", "smembers",
     "xadd", "xread",

@@ -104,3 +104,26 @@ def test_an_idle_process_ends_and_the_next_call_gets_a_fresh_one(monkeypatch) ->
     finally:
         monkeypatch.undo()
         zygote.restart()
+
+
+def test_the_next_call_enters_its_folder_under_a_folder_its_uid_cannot_search(tmp_path) -> None:
+    """Runs under a 0700 folder (a home holding the run root): the first call enters its
+    folder as root, before it becomes its uid; the next call in the same process is that
+    uid already and enters by the descriptor it kept (by its path: EACCES, seen when two
+    calls of a run in one turn met in one process)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    root = home / "runs"
+    root.mkdir(mode=0o711)
+    run_id = new_run_id()
+    ctx = SandboxContext(str(root / run_id), 30, SandboxPolicy(), mode="basic", sandbox_root=str(root),
+                         run_id=run_id, defer_cleanup=True)  # fmt: skip
+    outcomes = []
+    for _ in range(2):
+        outcomes.append(run_call(hostile.identity, {}, ctx))
+        sandbox.settle()
+    first, second = outcomes
+    assert first.ok and second.ok, (first.error, second.error)
+    assert first.output["pid"] == second.output["pid"]  # the same process served both
+    assert second.output["cwd"] == first.output["cwd"] == os.path.realpath(root / run_id)
+    sandbox.reuse.forget(run_id)

@@ -33,7 +33,7 @@ from worker.sandbox.child import (
     _serve,
 )
 from worker.sandbox.constants import REQUEST_FD, RESULT_FD
-from worker.sandbox.env import _clearenv
+from worker.sandbox.env import _clearenv, scrub
 from worker.sandbox.kernel import _net_fds
 from worker.sandbox.libc import _PR_SET_PDEATHSIG, _libc
 
@@ -83,8 +83,13 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
         if limits is None:  # a fork server's spare: limits on its own address space
             limits = _limits(plan.policy, nproc=os.geteuid() == 0, fork=True, room=plan.room)
         _enter(plan)
-        if may_stay:  # every process the calls start is its child, even once orphaned
-            _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        # The run's folder, held open from here (as root): a later call's process is its uid
+        # already, and may not search the folders above (a 0700 home holding the runs).
+        folder = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if may_stay else -1
+        # Every process the calls start is its child, even once orphaned: counted before it
+        # stays (reuse.py), and, while it lives, never handed to its fork server, whose
+        # orphans are then only those of calls whose process has ended (fork_server.py).
+        _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _confine(plan, _Facts(facts.fds, [], limits), parent, drop=plan.gid is not None)
         if not may_stay:
             code = _serve(plan, REGISTRY[name].fn, kwargs)
@@ -96,7 +101,7 @@ def _spare_main(facts: _Facts, result_w: int, request_r: int, kept: tuple[int, .
                 code = 0
                 return
             plan, _, name, kwargs, may_stay = request
-            _again(plan)
+            _again(plan, folder)
         code = 0
     except BaseException as exc:
         _report_failed_start(exc)
@@ -172,11 +177,14 @@ def _fit(start: _State) -> bool:
     return unchanged and now.rss_kb - start.rss_kb < REUSE_GROWTH_KB and cpu < REUSE_CPU_S
 
 
-def _again(plan: Any) -> None:
+def _again(plan: Any, folder: int) -> None:
     """Before the run's next call: its folder, umask and environment again (the last call
     may have changed them), and its file-size limit: what the run's folder may still
-    take now, never above the limit the process already has."""
-    _enter(plan)
+    take now, never above the limit the process already has. The folder by the descriptor
+    opened before the first call (the same folder: reuse.py's key), not by its path."""
+    os.fchdir(folder)
+    os.umask(0o007)
+    scrub(plan.env)
     wanted = plan.policy.max_file_mb << 20
     if plan.room is not None:
         wanted = min(wanted, plan.room)
