@@ -376,7 +376,22 @@ class SentinelGroup(_Servers):
         for port in self.procs:
             wait_ping(port)
         self.wait_primary(self.primary)
+        self.wait_synced()
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel}/{self.SERVICE}/0"
+
+    def wait_synced(self, timeout: float = 60) -> None:
+        """Until the replica holds every write the primary took (its first full sync starts
+        only after ``repl-diskless-sync-delay``, 5 s: a primary killed before then leaves a
+        replica without the run, and the failover loses it, as Redis's asynchronous
+        replication may)."""
+        import redis
+
+        primary = redis.Redis(port=self.primary_port())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if primary.execute_command("WAIT", 1, 1000) >= 1:
+                return
+        raise TimeoutError("the replica did not catch up with the primary")
 
     def primary_port(self) -> int:
         import redis

@@ -60,6 +60,7 @@ def test_sentinel_primary_fails_over_mid_run(deployment, spec, sentinel_group):
     handle = d.client.submit(tool_run(spec, n=4, delay=0.5))
     wait_for(lambda: d.store.result(handle.run_id).iterations >= 1, timeout=30)
     old = sentinel_group.primary_port()
+    sentinel_group.wait_synced()  # the replica has the run (what it lacks, a failover loses)
     sentinel_group.kill(old)
     sentinel_group.wait_primary(sentinel_group.replica, timeout=60)
     try:
