@@ -70,13 +70,15 @@ class Settings(BaseSettings):
     def lease_s(self) -> float:
         """A claimed step whose heartbeat stops is presumed lost after this long.
 
-        A quarter of the recovery bound R: the lease, a sweep interval and the sweep take
-        under a third of R, and the rest is room for what a lost step's run also waits on (the
-        step's own work before the loss, the queue in front of it when it is sent again, a
-        worker's start, redoing it): measured by ``bench/chaos.py`` (docs/guarantees.md). At
-        least LEASE_MIN_S, so that a loaded box's pauses do not cost a live holder its step,
-        and never more than half of R (a short R in tests)."""
-        return min(self.recovery_s / 2, max(LEASE_MIN_S, self.recovery_s / 4))
+        A sixth of the recovery bound R: a lost step is sent again within a lease and a sweep
+        interval (under a quarter of R), and a step lost twice in a row (the worker redoing it
+        lost too, as ``bench/chaos.py``'s kills do) within two, under half of R; the rest is
+        room for what its run also waits on (the step's own work before the loss, the queue
+        in front of it, a worker's start, redoing it; docs/guarantees.md). With R / 4 such a
+        step's run stood still 48.8 s of R = 60 s. At least LEASE_MIN_S, so that a loaded
+        box's pauses do not cost a live holder its step, and never more than half of R (a
+        short R in tests)."""
+        return min(self.recovery_s / 2, max(LEASE_MIN_S, self.recovery_s / 6))
 
     @property
     def sweep_interval_s(self) -> float:

@@ -166,12 +166,12 @@ class Zygote:
             return self._tools
 
     def alive(self) -> bool:
-        """Its server lives and the connection holds (between requests a readable socket is
-        a closed one: the server never speaks unasked)."""
+        """The connection holds: between requests a readable socket is a closed one (the
+        server never speaks unasked; a server that died closed its end)."""
         if not self.lock.acquire(blocking=False):
             return True  # a request in flight on another thread
         try:
-            return self.hub.alive() and not select.select([self.sock], [], [], 0)[0]
+            return not select.select([self.sock], [], [], 0)[0]
         except (OSError, ValueError):
             return False
         finally:
