@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from orchestrator.local import stop_with_parent
+from orchestrator.local import exited, stop_with_parent
 
 # Third-party modules that `tooloop worker`, its CLI and its pools import; none of them
 # reads TOOLOOP_* or a provider key at import.
@@ -174,13 +174,7 @@ def serve(fd: int, folder: Path) -> None:
 
 
 def _reap(folder: Path) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not pid:
-            return
+    for pid, status in exited():
         name = f"{pid}-{_spawned.pop(pid, 0)}"
         done = folder / f"{name}.tmp"
         done.write_text(str(os.waitstatus_to_exitcode(status)))

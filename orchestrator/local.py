@@ -77,6 +77,18 @@ def stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def exited() -> Iterator[tuple[int, int]]:
+    """Each child of this process that has exited, reaped now: (pid, wait status)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        yield pid, status
+
+
 class WorkerProcess:
     """``tooloop worker`` as a subprocess in its own process group (kill -9 the lot).
 

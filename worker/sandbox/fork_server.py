@@ -48,6 +48,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.local import exited
+
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("!cq")  # op, argument (a pid, or the length of a pickled payload)
@@ -309,13 +311,7 @@ class _Server:
         return (self.control.fileno(), *self.conns, *self.waits, *stocked, *kept)
 
     def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if not pid:
-                return
+        for pid, status in exited():
             if pid in self.ours:
                 self.ours.discard(pid)
                 self.done[pid] = status
