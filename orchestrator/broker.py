@@ -115,8 +115,7 @@ def conf(keys: Keys, broker_url: str, transport: dict[str, Any] | None = None,
 
 
 def heartbeat_s(lease_s: float) -> int:
-    """The AMQP heartbeat a worker asks for: a third of a lease, 3..60 s (under 3 s a
-    loaded box's pauses would cost a live worker its connection).
+    """The AMQP heartbeat a worker asks for: a third of a lease, 2..60 s.
 
     Messages a worker holds unacked but has not started (its prefetch; a turn pool
     holds many) come back to the queue only when RabbitMQ closes its connection, and
@@ -124,7 +123,7 @@ def heartbeat_s(lease_s: float) -> int:
     (120 s, cut to RabbitMQ's 60 s) a frozen or cut-off worker's runs stalled 2 minutes
     and more in ``bench/chaos.py --broker amqp://``; a third of the lease drops the
     connection about when the steps it had started are due for recovery anyway."""
-    return int(min(60, max(3, lease_s / 3)))
+    return int(min(60, max(2, lease_s / 3)))
 
 
 def queue_depths(app: Any, names: list[str]) -> dict[str, int | None]:

@@ -70,20 +70,20 @@ class Settings(BaseSettings):
     def lease_s(self) -> float:
         """A claimed step whose heartbeat stops is presumed lost after this long.
 
-        An eighth of the recovery bound R: a lost step is sent again within a lease and a
-        sweep interval (under a sixth of R), and a step lost three times in a row (each worker
-        redoing it lost too, as ``bench/chaos.py``'s kills do) within three, under half of R;
-        the rest is room for what its run also waits on (the step's own work before the loss,
-        the queue in front of it, a worker's start, redoing it; docs/guarantees.md). With
-        R / 4 a step lost twice stood still 48.8 s of R = 60 s, with R / 6 one lost three
-        times 45.9 s. At least LEASE_MIN_S, so that a loaded box's pauses do not cost a live
-        holder its step, and never more than half of R (a short R in tests)."""
-        return min(self.recovery_s / 2, max(LEASE_MIN_S, self.recovery_s / 8))
+        A sixth of the recovery bound R: a lost step is sent again within a lease and a sweep
+        interval (under a quarter of R), and a step lost twice in a row (the worker redoing it
+        lost too, as ``bench/chaos.py``'s kills do) within two, under half of R; the rest is
+        room for what its run also waits on (the step's own work before the loss, the queue
+        in front of it, a worker's start, redoing it; docs/guarantees.md). With R / 4 such a
+        step's run stood still 48.8 s of R = 60 s. At least LEASE_MIN_S, so that a loaded
+        box's pauses do not cost a live holder its step, and never more than half of R (a
+        short R in tests)."""
+        return min(self.recovery_s / 2, max(LEASE_MIN_S, self.recovery_s / 6))
 
     @property
     def sweep_interval_s(self) -> float:
-        """How often each worker sweeps (the workers share the shards): R / 30, at least 0.5 s."""
-        return max(0.5, self.recovery_s / 30)
+        """How often each worker sweeps (the workers share the shards): R / 20, at least 0.5 s."""
+        return max(0.5, self.recovery_s / 20)
 
     @property
     def heartbeat_s(self) -> float:

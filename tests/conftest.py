@@ -129,7 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TOOLOOP_REDIS_URL"] = url
     os.environ["TOOLOOP_KEY_PREFIX"] = f"test-{uuid.uuid4().hex[:8]}"
     os.environ["TOOLOOP_TOOLS"] = "tests.tools"
-    # The shared workers' leases (7.5 s: the default R / 8) outlast the stalls of a loaded box: a
+    # The shared workers' leases (10 s: the default R / 6) outlast the stalls of a loaded box: a
     # test that does not kill or freeze workers must not see a turn taken over. A deployment
     # (tests that kill, freeze or starve workers) gets TOOLOOP_RECOVERY_S=6 (leases of 3 s)
     # unless it says.

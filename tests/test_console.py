@@ -169,7 +169,7 @@ def _event_streams(page: Any) -> list[Any]:
 def _a_run_whose_first_message_was_lost(client: Any, spec: Any) -> Any:
     """A run written to Redis whose first turn was never sent, as when the producer dies
     between its write and its publish: the sweeper finds it once its lease is due
-    (``Settings.lease_s``: 7.5 s for the suite's workers) and sends it."""
+    (``Settings.lease_s``: 10 s for the suite's workers) and sends it."""
     import uuid
 
     from orchestrator import dispatch

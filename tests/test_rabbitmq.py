@@ -157,7 +157,7 @@ def test_celery_settings_follow_the_broker():
     assert turns.queue_arguments["x-queue-type"] == "quorum"
     assert turns.queue_arguments["x-consumer-timeout"] > 3600 * 1000
     assert turns.queue_arguments["x-delivery-limit"] == DELIVERY_LIMIT
-    assert amqp.broker_heartbeat == 3  # a third of the default 7.5 s lease, at least 3 s
+    assert amqp.broker_heartbeat == 3  # a third of the default 10 s lease
     redis_conf = make_app(Settings(broker_url="redis://127.0.0.1:6379/0", key_prefix="p")).conf
     assert redis_conf.broker_transport_options["global_keyprefix"] == "p:celery:"
     assert all(q.queue_arguments is None for q in redis_conf.task_queues)

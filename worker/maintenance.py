@@ -9,7 +9,7 @@
   ``pause_max_s``, and publishes the worker's tool catalog.
 
 Recovery bound R (``TOOLOOP_RECOVERY_S``): a step whose worker dies is noticed once
-its lease expires (R / 8 after the last heartbeat) by the next sweep (every R / 30), and
+its lease expires (R / 6 after the last heartbeat) by the next sweep (every R / 20), and
 sent again ahead of the work queued meanwhile (on Redis): under a third of R from the
 loss, the rest left for the queue, a worker's start and redoing the step
 (``orchestrator/settings.py``, docs/guarantees.md).
