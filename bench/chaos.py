@@ -338,11 +338,15 @@ def report(args, runs: list[Run], seen: ChaosEvents, elapsed: float, model_serve
         count["duplicated"] += effects_duplicated(run.handle.run_id)
         count["double_billed"] += result.tokens_used > TOKENS * served
         count["unbilled"] += served - result.tokens_used // TOKENS  # replies a killed worker never got
+        events = list(run.handle.events(timeout=5))
         if run.kind == "normal":
             count["completed"] += result.status == "completed"
+            if result.status != "completed":  # which, and why: a normal run should not fail
+                recovered = sum(e.type == "recovery" for e in events)
+                misses.append(f"  not completed   run {run.handle.run_id[:12]}: {result.status} "
+                              f"({result.exit}), {recovered} recoveries: {result.error}")  # fmt: skip
         elif run.kind == "unreadable":
             count["unreadable_ok"] += (result.status, result.exit) == ("failed", "error")
-        events = list(run.handle.events(timeout=5))
         if run.kind.startswith("poison"):
             why = poison_miss(run, result, served, cap, events)
             count["poison_ok"] += why is None
