@@ -430,6 +430,47 @@ def test_a_turn_stuck_past_its_bound_stops_holding_its_lease(deployment, spec):
     assert beaten > d.store.time_ms() - lease * 1000 * 1.6
 
 
+def test_a_step_whose_holders_are_lost_gets_more_attempts_than_one_that_raises(deployment, spec):
+    """The attempts cap (3) stops a step whose attempt raised; a step whose holders were only
+    lost (their leases lapsed: killed, frozen) is sent again up to three times the cap. Under
+    bench/chaos.py's kills a healthy turn lost three holders in a row and its run ended on
+    error; a step that kills its worker each time still ends, a few workers later."""
+    from orchestrator.models import RunSpec
+    from orchestrator.store import new_owner
+
+    d = deployment(TOOLOOP_RECOVERY_S="2")  # leases of 1 s; no worker: the test plays them
+    cap, run_spec = d.settings.step_attempts, RunSpec.model_validate(spec([{"content": "x"}]))
+
+    def lose_holders(run_id: str, gen: int, times: int) -> tuple[int, str]:
+        """Claim the turn and let the lease lapse, ``times`` times: (generation, last outcome)."""
+        outcome = "steps"
+        for _ in range(times):
+            claim = d.store.claim_turn(run_id, 1, gen, new_owner())
+            if isinstance(claim, str):
+                return gen, claim
+            time.sleep(d.settings.lease_s + 0.2)
+            recovery = d.store.recover(run_id)
+            outcome = recovery.outcome
+            if recovery.outcome == "gave_up":
+                return gen, outcome
+            [sent] = recovery.sends
+            gen = sent.gen
+        return gen, outcome
+
+    lost = d.store.create("lost-holders", run_spec, [{"role": "user", "content": "u"}])
+    gen, outcome = lose_holders("lost-holders", lost, cap + 1)
+    assert outcome == "steps" and not d.store.status("lost-holders").ended  # past the cap, still on
+    _, outcome = lose_holders("lost-holders", gen, 3 * cap)
+    assert outcome == "gave_up" and d.store.result("lost-holders").error_type == "StepFailed"
+
+    raised = d.store.create("raised", run_spec, [{"role": "user", "content": "u"}])
+    owner = new_owner()
+    assert not isinstance(d.store.claim_turn("raised", 1, raised, owner), str)
+    assert d.store.fail_turn("raised", 1, owner, 0, "ValueError: poison") == "retry"
+    _, outcome = lose_holders("raised", d.store.recover("raised").sends[0].gen, cap)
+    assert outcome == "gave_up" and d.store.status("raised").ended  # within the cap
+
+
 # -- item 12: keys that grow ----------------------------------------------------------
 def test_expired_runs_leave_the_indexes(deployment, spec):
     d = deployment(TOOLOOP_RETENTION_S="1")
