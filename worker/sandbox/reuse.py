@@ -18,7 +18,7 @@ may serve that run's next calls, one at a time:
   (``call.py``), and the next call gets a fresh one;
 - the kept processes wait in the fork server (``fork_server.py``), the pool's one, so a
   run's next call finds its process whichever pool process takes it: at most
-  ``TOOLOOP_SANDBOX_REUSE`` per server (default 512, ~1.8 MB of memory each; 0: one process
+  ``TOOLOOP_SANDBOX_REUSE`` per server (default 512, ~3.3 MiB PSS each; 0: one process
   per call, as before), each used within 10 s of its last call, else ended; one that is no
   longer kept sees its request pipe close and exits.
 """
