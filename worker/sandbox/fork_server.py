@@ -184,7 +184,7 @@ class _Server:
     def _drop(self, conn: _Conn) -> None:
         """Its pool process is gone: what it was handed and did not give back dies too."""
         self.conns.pop(conn.sock.fileno(), None)
-        for pid in conn.handed:
+        for pid in conn.handed & self.ours:  # not reaped yet: the pid is still that process's
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for pidfd in [fd for fd, (who, _) in self.waits.items() if who is conn]:
@@ -197,7 +197,7 @@ class _Server:
         try:
             frame, fds, _, _ = socket.recv_fds(conn.sock, FRAME.size, 2)
             if len(frame) < FRAME.size:
-                frame += _exactly(conn.sock, FRAME.size - len(frame)) if frame else b""
+                frame += exactly(conn.sock, FRAME.size - len(frame)) if frame else b""
         except OSError:
             frame, fds = b"", []
         if len(frame) < FRAME.size:
@@ -216,7 +216,7 @@ class _Server:
         if op == b"W":
             self._wait(conn, arg)
             return
-        payload = pickle.loads(_exactly(conn.sock, arg)) if op in b"RKFQ" and arg else None
+        payload = pickle.loads(exactly(conn.sock, arg)) if op in b"RKFQ" and arg else None
         if op == b"S":
             self._hand(conn, self.stock.take(self), -1)
         elif op == b"R":
@@ -285,7 +285,7 @@ class _Server:
     def _answer_waits(self) -> None:
         for pidfd, (conn, pid) in list(self.waits.items()):
             if pid not in self.done:
-                if pid in self.ours or _child_of_us(pid):
+                if pid in self.ours:
                     continue
                 status = -10  # not ours (ECHILD)
             else:
@@ -338,14 +338,6 @@ def _children() -> list[int]:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
-
-
-def _child_of_us(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, IndexError, ValueError):
-        return False
 
 
 class _Stock:
@@ -439,7 +431,8 @@ def may_renice() -> bool:
         return False
 
 
-def _exactly(sock: socket.socket, n: int) -> bytes:
+def exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (OSError if it closes first)."""
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))

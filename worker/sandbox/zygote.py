@@ -47,7 +47,7 @@ import sys
 import threading
 from typing import Any
 
-from worker.sandbox.fork_server import ANSWER, FRAME, TAKEN, tool_names
+from worker.sandbox.fork_server import ANSWER, FRAME, TAKEN, exactly, tool_names
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +253,7 @@ class Zygote:
         return value
 
     def _exactly(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise OSError("the sandbox's fork server is gone")
-            data += chunk
-        return data
+        return exactly(self.sock, n)
 
 
 _hub: Hub | None = None  # the server this process started (or its parent did, before forking it)
