@@ -209,6 +209,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         proc.terminate()
 
 
+@pytest.fixture(autouse=True)
+def _settings_follow_the_environment() -> Iterator[None]:
+    """A test that changes TOOLOOP_* (monkeypatch) may build the cached settings meanwhile;
+    the next test in this process would read its values (CI: another test's allowed API base
+    refused the scripted model's). Dropped after every test: rebuilt in ~1 ms."""
+    from orchestrator.settings import get_settings
+
+    yield
+    get_settings.cache_clear()
+
+
 # -- model --------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def model_server() -> Iterator:
