@@ -127,3 +127,26 @@ def test_the_next_call_enters_its_folder_under_a_folder_its_uid_cannot_search(tm
     assert first.output["pid"] == second.output["pid"]  # the same process served both
     assert second.output["cwd"] == first.output["cwd"] == os.path.realpath(root / run_id)
     sandbox.reuse.forget(run_id)
+
+
+def test_a_fresh_process_holds_none_of_the_servers_descriptors_however_many_it_keeps() -> None:
+    """The fork server holds two pipe ends per kept process (and a connection per pool
+    process): a spare closes them all at once. Before, each was pointed at /dev/null one by
+    one, in every spare: a call's process cost +3 ms of CPU with 500 kept (bench/fork_cpu.py)."""
+    runs = [new_run_id() for _ in range(20)]
+    for run_id in runs:  # 20 processes kept: 40 pipe ends in the server
+        pid_of(run_of(run_id)(hostile.identity))
+    try:
+        server = zygote.for_this_process()
+        assert server is not None and len(os.listdir(f"/proc/{server.pid}/fd")) > 40
+        fresh = new_run_id()
+        held = run_of(fresh)(hostile.inherited_fds)
+        assert held.ok, held.error
+        pipes = {int(fd) for fd, target in held.output.items() if target.startswith("pipe:")}
+        others = {target for fd, target in held.output.items() if int(fd) > 2 and int(fd) not in pipes}
+        assert pipes == {3, 4}, held.output  # its result and request pipes, nothing of the server's
+        assert others <= {os.path.realpath(os.path.join(runs_root(), fresh))}, held.output  # its folder
+        runs.append(fresh)
+    finally:
+        for run_id in runs:
+            sandbox.reuse.forget(run_id)

@@ -38,7 +38,9 @@ class _Facts:
     """What the call's process needs to know about itself, found before the fork: in
     the child every page Python touches is a copy-on-write fault (the hot path)."""
 
-    fds: list[int]  # the worker's open descriptors
+    # The worker's open descriptors, pointed at /dev/null in the child (objects of its
+    # copied heap hold their numbers); None: a fork server's, closed (its objects never close them).
+    fds: list[int] | None
     handlers: list[signal.Signals]  # signals with a handler of the worker's
     limits: list[tuple[int, tuple[int, int]]]
 

@@ -300,15 +300,9 @@ class _Server:
     # -- children ------------------------------------------------------------------------
     def fork(self, ahead: bool) -> _Process:
         """A spare holding its two pipe ends; ``ahead``: for the stock (niced, when root)."""
-        process = self.stock.fork(self._fds(), ahead)
+        process = self.stock.fork(ahead)
         self.ours.add(process.pid)
         return process
-
-    def _fds(self) -> tuple[int, ...]:
-        """This server's descriptors, closed in each spare at once."""
-        stocked = (fd for s in self.stock.spares for fd in (s.request_w, s.result_r))
-        kept = (fd for k in self.kept.values() for fd in (k.process.request_w, k.process.result_r))
-        return (self.control.fileno(), *self.conns, *self.waits, *stocked, *kept)
 
     def _reap(self) -> None:
         for pid, status in exited():
@@ -358,7 +352,7 @@ class _Stock:
             self.peak, self.peak_at = len(self.asked), now
         return min(self.most, self.peak)
 
-    def fork(self, close: tuple[int, ...], ahead: bool) -> _Process:
+    def fork(self, ahead: bool) -> _Process:
         from worker.sandbox.spare_child import fork_spare
 
         request_r, request_w = os.pipe()
@@ -367,8 +361,7 @@ class _Stock:
         try:
             if niced:
                 os.setpriority(os.PRIO_PROCESS, 0, 19)
-            pid = fork_spare(request_r, result_w, (*close, request_w, result_r),
-                             renice=self.nice if niced else None)  # fmt: skip
+            pid = fork_spare(request_r, result_w, None, renice=self.nice if niced else None)
         except BaseException:
             os.close(request_w)
             os.close(result_r)
