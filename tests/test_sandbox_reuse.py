@@ -7,6 +7,8 @@ runs in a reused process (its ``fork-reused`` layer)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -150,3 +152,40 @@ def test_a_fresh_process_holds_none_of_the_servers_descriptors_however_many_it_k
     finally:
         for run_id in runs:
             sandbox.reuse.forget(run_id)
+
+
+def test_the_server_outlives_descriptor_numbers_past_1024(monkeypatch) -> None:
+    """520 kept processes: the server holds ~1,045 descriptors, and the next connection (a
+    pool process started again) takes a number past 1,024, where ``select.select`` raises
+    ValueError: the server died, and every kept process with it. It waits with poll(2)."""
+    monkeypatch.setenv("TOOLOOP_SANDBOX_REUSE", "600")
+    server = zygote.restart()
+    runs = [new_run_id() for _ in range(520)]
+    try:
+        assert server is not None
+        for run_id in runs:
+            pid_of(run_of(run_id)(hostile.identity))
+        assert len(os.listdir(f"/proc/{server.pid}/fd")) > 1040
+        first = sandbox.reuse.kept_pid(runs[0])
+        second = zygote.Zygote(zygote._hub)  # as a new pool process connects
+        assert "identity" in second.tools  # its first request, answered
+        assert server.alive() and pid_of(run_of(new_run_id())(hostile.identity))
+        assert first is not None and sandbox.reuse.kept_pid(runs[0]) == first and process_alive(first)
+        second.sock.close()
+    finally:
+        sandbox.reuse.forget()
+        monkeypatch.undo()
+        zygote.restart()
+
+
+def test_kept_processes_fit_the_descriptor_limit() -> None:
+    """Two pipe ends per kept process: under a soft and hard limit of 300 descriptors, a
+    server keeps (300 - 256) / 2 = 22, not the 512 asked (which would leave no descriptor
+    for a new spare's pipes); a soft limit under the hard one is raised first."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+            "from worker.sandbox.fork_server import kept_within_fd_limit as k; "
+            "print(k(512), k(4))")  # fmt: skip
+    for soft, hard, expected in ((300, 300, "22 4"), (300, 4096, "512 4")):
+        out = subprocess.run([sys.executable, "-c", code.format(soft=soft, hard=hard)], capture_output=True,
+                             text=True, check=True, timeout=60)  # fmt: skip
+        assert out.stdout.split() == expected.split(), (soft, hard, out.stdout, out.stderr)

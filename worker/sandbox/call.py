@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from worker.sandbox.child import _child, _facts
 from worker.sandbox.constants import EXIT_GRACE_S, FAILED_START, MAX_RESULT_BYTES, STARTED_MARK, TICK_S
 from worker.sandbox.context import CallOutcome, SandboxContext, SandboxError
 from worker.sandbox.plan import _Plan, _plan
+from worker.sandbox.polling import readable
 from worker.sandbox.quota import QUOTA_TICK_S, over_message
 from worker.sandbox.reaper import (
     _become_subreaper,
@@ -143,7 +143,7 @@ class _Call:
     def _await_exit(self, pidfd: int | None) -> None:
         """A call that reported kills its own uid and exits: give it EXIT_GRACE_S."""
         if pidfd is not None:
-            self.exited = bool(select.select([pidfd], [], [], EXIT_GRACE_S)[0])
+            self.exited = bool(readable([pidfd], EXIT_GRACE_S))
             return
         deadline = time.monotonic() + EXIT_GRACE_S
         while not self._reaped() and time.monotonic() < deadline:
@@ -177,7 +177,7 @@ class _Call:
                     if over:
                         return over
             wait = max(0.0, min(deadline, next_tick) - now)
-            ready, _, _ = select.select(watched, [], [], wait if pidfd is not None else min(wait, 0.01))
+            ready = readable(watched, wait if pidfd is not None else min(wait, 0.01))
             if read_fd in ready and not reader.pull(read_fd):
                 watched.remove(read_fd)  # EOF; the process may still run
             if pidfd in ready or (pidfd is None and self._reaped()):
@@ -280,7 +280,7 @@ class _Reader:
 
     def drain(self, fd: int) -> None:
         while not self.overflow and self.pull(fd):
-            if not select.select([fd], [], [], 0)[0]:
+            if not readable([fd], 0):
                 return
 
     def payload(self) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import pickle
-import select
+import resource
 import signal
 import socket
 import struct
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.local import exited
+from worker.sandbox.polling import readable
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ IDLE_S = 0.05  # no request for this long: the server forks a spare for its stoc
 WINDOW_S = 10.0  # the stock aims at the spares asked for within this long...
 PEAK_S = 120.0  # ...at the most, over this long
 STOCK_TTL_S = 60.0  # a stocked spare not asked for within this long ends
+FD_RESERVE = 256  # descriptors kept free of kept processes' pipes (connections, waits, stock, a fork)
 CONN_TIMEOUT_S = 10.0  # a request's remaining bytes: a connection that stalls mid-request is dropped
 
 
@@ -79,6 +81,7 @@ def main() -> None:
     from worker.sandbox.libc import _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, _libc
 
     stock, most, owner = int(sys.argv[-4]), int(sys.argv[-3]), int(sys.argv[-1])
+    most = kept_within_fd_limit(most)
     keep_idle = float(sys.argv[-2])
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != owner:
@@ -92,6 +95,23 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # the spares' collections never walk (and copy) the server's own objects
     _Server(control, have, stock, most, keep_idle).serve()
+
+
+def kept_within_fd_limit(most: int) -> int:
+    """As many kept processes as this process's descriptors allow (two pipe ends each, and
+    FD_RESERVE for its connections, waits and stock), its soft limit raised to its hard
+    one first: at the common soft limit of 1,024, 512 kept processes left no descriptor
+    for the next spare's pipes."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    fits = max(0, (soft - FD_RESERVE) // 2) if soft != resource.RLIM_INFINITY else most
+    if fits < most:
+        log.warning("sandbox fork server: %d kept processes at most (TOOLOOP_SANDBOX_REUSE=%d): "
+                    "%d descriptors allowed (ulimit -n)", fits, most, soft)  # fmt: skip
+    return min(most, fits)
 
 
 def _import(modules: list[str]) -> None:
@@ -154,7 +174,7 @@ class _Server:
             wait = self.stock.idle(self, self.last) if self.stock.most else None
             wait = SWEEP_S if wait is None else min(wait, SWEEP_S)
             watched = [self.control, *(c.sock for c in self.conns.values()), *self.waits]
-            ready = select.select(watched, [], [], wait)[0]
+            ready = readable(watched, wait)
             self._reap()
             for item in ready:
                 if item is self.control:

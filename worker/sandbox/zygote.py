@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import threading
 from typing import Any
 
 from worker.sandbox.fork_server import ANSWER, FRAME, TAKEN, exactly, tool_names
+from worker.sandbox.polling import readable
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Zygote:
         if not self.lock.acquire(blocking=False):
             return True  # a request in flight on another thread
         try:
-            return not select.select([self.sock], [], [], 0)[0]
+            return not readable([self.sock], 0)
         except (OSError, ValueError):
             return False
         finally:
