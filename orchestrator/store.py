@@ -35,6 +35,7 @@ from orchestrator.keys import (
 )
 from orchestrator.models import (
     LIMIT_EXITS,
+    Exit,
     RunResult,
     RunSpec,
     Status,
@@ -103,6 +104,12 @@ class Finish:
     @property
     def status(self) -> Status:
         return status_for_exit(self.exit)
+
+    @classmethod
+    def unreadable(cls, exc: Exception) -> Finish:
+        """A run whose stored spec no longer parses (code rolled back past a field): every
+        step would fail the same way, so the step that finds it ends the run."""
+        return cls(Exit.error, error=f"stored spec does not parse: {exc}", error_type="SpecUnreadable")
 
 
 @dataclass

@@ -550,6 +550,28 @@ def test_a_worker_with_a_fast_clock_does_not_stretch_its_lease(deployment, spec,
     assert time.monotonic() - killed_at < 6 + 10
 
 
+def test_a_tool_call_whose_run_spec_stops_parsing_ends_the_run(deployment, spec):
+    """A call waits in its queue while its run's stored spec stops parsing: the tool task
+    that takes it ends the run on error (``SpecUnreadable``), as a turn does. Before, it
+    raised past its claim, so the call's lease lapsed and the sweeper sent it again, up to
+    the lost holders' cap (9): a run of the chaos bench stood still 109 s."""
+    d = deployment()
+    d.start_worker("-Q", "turns", "-c", "2", roles=("turns",))
+    s = spec([tools(call("append_line", {"text": "never"})), {"content": "never"}], tools=["append_line"])
+    handle = d.client.submit(s)
+    wait_for(lambda: queue_length(d.store, d.store.keys.tool_queue) == 1, timeout=20)  # no tool pool yet
+    raw = json.loads(d.store.redis.hget(d.store.keys.run(handle.run_id), "spec"))
+    d.store.redis.hset(d.store.keys.run(handle.run_id), "spec", json.dumps({**raw, "retired_field": 1}))
+    d.start_worker("-Q", "tools", "-c", "2", roles=("tools",))
+    result = handle.wait(timeout=30)
+    ended = (result.status, result.exit, result.error_type)
+    assert ended == (Status.failed, "error", "SpecUnreadable"), result
+    assert "does not parse" in result.error
+    assert not (run_dir(handle.run_id) / "effects.txt").exists()  # the tool never ran
+    recoveries = [e for e in d.store.read_events(handle.run_id, "0") if e.type == "recovery"]
+    assert not recoveries, recoveries  # ended by the call that found it, not by lease lapses
+
+
 # -- item 4, continued: a running run whose spec stops parsing ---------------------------
 def test_a_running_run_whose_spec_stops_parsing_ends_on_error(deployment, spec, model_server, holds):
     """Two runs are inside their first model call when their worker dies. Meanwhile one

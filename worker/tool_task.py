@@ -17,7 +17,7 @@ from orchestrator import fairshare
 from orchestrator.models import SandboxPolicy
 from orchestrator.secrets import SecretError
 from orchestrator.settings import get_settings
-from orchestrator.store import CallStart, Dispatch, Held, RunStore, new_owner
+from orchestrator.store import CallStart, Dispatch, Finish, Held, RunStore, new_owner
 from worker import calls, children, protect
 from worker.app import TOOL_TASK, app, enqueue_turn, get_store
 from worker.maintenance import INFLIGHT, with_retries
@@ -107,13 +107,21 @@ class ToolCall:
             settle()  # reap the call's process, fork the next one: after the hot path
 
     def _start(self, approved: bool = False) -> CallStart:
-        """Claim the call and read its spec and stored call, in one round trip."""
+        """Claim the call and read its spec and stored call, in one round trip. A spec that
+        no longer parses ends the run, as a turn does (raised, the call's lease lapsed and it
+        was sent again up to the lost holders' cap, 9 times, ~12 s each)."""
         here = REGISTRY.get(self.p.get("tool") or "")
-        return self.store.start_call(
-            self.held.run_id, self.held.iteration, int(self.p["index"]), self.gen, self.held.owner,
-            self.p.get("tool") or "", here is not None, bool(here and here.approval),
-            here.idempotent if here else True, approved,
-        )  # fmt: skip
+        try:
+            return self.store.start_call(
+                self.held.run_id, self.held.iteration, int(self.p["index"]), self.gen, self.held.owner,
+                self.p.get("tool") or "", here is not None, bool(here and here.approval),
+                here.idempotent if here else True, approved,
+            )  # fmt: skip
+        except ValidationError as exc:
+            log.error("call %s/%s: the run's stored spec does not parse; the run ends", self.held.run_id,
+                      self.held.key)  # fmt: skip
+            self.store.finish(self.held.run_id, Finish.unreadable(exc))
+            return CallStart("ended")
 
     def _bind(self, start: CallStart, owner: str) -> bool:
         """Everything the call may do, from the stored spec and the stored call. False when

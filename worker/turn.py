@@ -92,9 +92,7 @@ def start_turn(store: RunStore, run_id: str, iteration: int, gen: int = 0) -> Fu
     try:
         claim = store.claim_turn(run_id, iteration, gen, owner)
     except ValidationError as exc:  # a spec that no longer parses would be retried forever
-        unreadable = Finish(Exit.error, error=f"stored spec does not parse: {exc}",
-                            error_type="SpecUnreadable")  # fmt: skip
-        store.finish(run_id, unreadable, fence=(iteration, owner))
+        store.finish(run_id, Finish.unreadable(exc), fence=(iteration, owner))
         return None
     if isinstance(claim, str):  # ended, paused, stale, busy, gave_up, budget: nothing to do here
         log.debug("turn %s/%d skipped: %s", run_id, iteration, claim)
