@@ -87,9 +87,9 @@ class ToolCall:
         if start.verdict not in ("ok", "lost"):  # done, busy, paused, ended, stale, gave_up
             log.debug("call %s/%s skipped: %s", self.p["run_id"], self.p["key"], start.verdict)
             return
-        if not self._bind(start, owner=self.held.owner):
-            return
         try:
+            if not self._bind(start, owner=self.held.owner):
+                return
             # The process's heartbeat thread keeps the lease while the result is read, scrubbed
             # and recorded too (the call's own wait loop beats only while the tool runs).
             with INFLIGHT.hold(self.store, self.held):
@@ -98,7 +98,8 @@ class ToolCall:
                 else:
                     outcome, inputs = self.execute()
                 self.record(outcome, inputs)
-        except Exception as exc:  # our own code failed (not the tool's): one failed attempt
+        except Exception as exc:  # our own code failed (not the tool's): one failed attempt, not a
+            # lapsed lease (a lost holder: three times the attempts, each after a lease)
             log.exception("call %s/%s failed", self.p["run_id"], self.p["key"])
             error = f"{type(exc).__name__}: {exc}"
             verdict = self.store.fail_call(self.p["run_id"], self.p["key"], self.held.owner, error)
