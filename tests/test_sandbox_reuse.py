@@ -159,6 +159,7 @@ def test_the_server_outlives_descriptor_numbers_past_1024(monkeypatch) -> None:
     pool process started again) takes a number past 1,024, where ``select.select`` raises
     ValueError: the server died, and every kept process with it. It waits with poll(2)."""
     monkeypatch.setenv("TOOLOOP_SANDBOX_REUSE", "600")
+    monkeypatch.setattr(zygote, "KEEP_IDLE_S", 600.0)  # none ends idle while 520 are made (loaded: > 10 s)
     server = zygote.restart()
     runs = [new_run_id() for _ in range(520)]
     try:
