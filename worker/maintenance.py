@@ -237,7 +237,12 @@ def _ready(**_: Any) -> None:
 def _shutting_down(**_: Any) -> None:
     """Warm shutdown: turns still running after HAND_BACK_AFTER_S are handed back (a
     reply that comes before the process exits is recorded only if nobody took the turn
-    over meanwhile; it is billed once either way)."""
+    over meanwhile; it is billed once either way). A leaving worker sweeps no more: the
+    steps it would send again (its own, handed back) are the other workers' to send. Over
+    RabbitMQ its consumer may still be registered while it drains, so its own re-send
+    could be delivered back to it and wait there until its connection closed."""
+    for thread in _maintenance:
+        thread.stop()
     timer = threading.Timer(HAND_BACK_AFTER_S, INFLIGHT.hand_back)
     timer.daemon = True
     timer.start()
